@@ -1,0 +1,19 @@
+"""dflash-mlx: exact block-diffusion speculative decoding (DFlash) on MLX."""
+
+from .config import DraftConfig
+from .decode import BlockEvent, Session, stream_generate
+from .errors import DFlashError
+from .load import Pair, load, pair_from_models
+
+__version__ = "0.1.0"
+__all__ = [
+    "BlockEvent",
+    "DFlashError",
+    "DraftConfig",
+    "Pair",
+    "Session",
+    "load",
+    "pair_from_models",
+    "stream_generate",
+    "__version__",
+]

@@ -1,0 +1,228 @@
+"""Resolve → download → load → quantize → check: turn a target and a draft into a `Pair`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .config import DraftConfig
+from .draft import DFlashDraftModel
+from .errors import CheckpointError, DFlashError, ModelNotFoundError, PairMismatchError
+from .target import Target
+
+# Never *.py (no remote code) and never *.bin / *.pt (no pickle).
+MODEL_PATTERNS = ["*.safetensors", "*.json", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt"]
+DRAFT_PATTERNS = ["*.safetensors", "*.json"]
+WEIGHT_POLICIES = ("auto", "quantized", "float32", "bfloat16")
+DRAFT_BITS = (4, 8, 16)
+DRAFT_GROUP_SIZE = 64
+
+
+@dataclass
+class Pair:
+    """A target, an optional draft bound to it, and the target's tokenizer."""
+
+    target: Target
+    draft: DFlashDraftModel | None
+    tokenizer: object
+    target_id: str
+    draft_id: str | None = None
+    weights: str = "quantized"
+    draft_bits: int = 16
+    info: dict = field(default_factory=dict)
+
+
+def on_cpu() -> bool:
+    return mx.default_device() == mx.cpu
+
+
+def resolve(path_or_repo: str | os.PathLike, patterns: list[str], revision: str | None = None,
+            progress: bool = True) -> Path:
+    """A local folder/file, or a Hub repo fetched with narrow `allow_patterns`."""
+    path = Path(path_or_repo).expanduser()
+    if path.exists():
+        return path
+    name = str(path_or_repo)
+    if name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise ModelNotFoundError(f"{name}: no such file or folder (and not a Hub repo id 'org/name')")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+
+    try:
+        if not progress:
+            disable_progress_bars()
+        return Path(snapshot_download(name, revision=revision, allow_patterns=patterns))
+    except Exception as e:  # network, auth, missing repo: all end the same way for the user
+        reason = type(e).__name__
+        raise ModelNotFoundError(
+            f"{name}: could not download ({reason}); when online run "
+            f"`hf download {name}`, or pass a local path"
+        ) from None
+    finally:
+        enable_progress_bars()
+
+
+def convert_weights(model: nn.Module, dtype: mx.Dtype) -> nn.Module:
+    """Dequantize every quantized layer and cast floating weights to `dtype`."""
+    swaps = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.QuantizedLinear):
+            w = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits, mode=m.mode)
+            lin = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
+            lin.weight = w.astype(dtype)
+            if "bias" in m:
+                lin.bias = m.bias.astype(dtype)
+            swaps.append((name, lin))
+        elif isinstance(m, nn.QuantizedEmbedding):
+            w = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits, mode=m.mode)
+            emb = nn.Embedding(w.shape[0], w.shape[1])
+            emb.weight = w.astype(dtype)
+            swaps.append((name, emb))
+    if swaps:
+        model.update_modules(tree_unflatten(swaps))
+    floats = [(k, v.astype(dtype)) for k, v in tree_flatten(model.parameters())
+              if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype]
+    if floats:
+        model.update(tree_unflatten(floats))
+    mx.eval(model.parameters())
+    return model
+
+
+def _quantizable(_, m) -> bool:
+    return isinstance(m, nn.Linear) and m.weight.shape[-1] % DRAFT_GROUP_SIZE == 0
+
+
+def load_draft(path: str | os.PathLike, draft_bits: int = 16) -> DFlashDraftModel:
+    """Build the draft from config.json and its safetensors (strict key match)."""
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    cfg = DraftConfig.from_file(folder / "config.json")
+    if cfg.is_dflash2:
+        from .dflash2 import DFlash2DraftModel as cls  # noqa: N813
+    else:
+        cls = DFlashDraftModel
+    model = cls(cfg)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no *.safetensors weights next to config.json")
+    weights = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:
+            raise CheckpointError(f"{f}: corrupt or truncated safetensors ({e})") from None
+    weights = model.sanitize(weights)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        msg = str(e).splitlines()[0]
+        raise CheckpointError(f"{folder}: weights do not match the draft config ({msg})") from None
+    if draft_bits not in DRAFT_BITS:
+        raise CheckpointError(f"draft bits must be one of {DRAFT_BITS}, got {draft_bits}")
+    if draft_bits != 16:
+        nn.quantize(model, DRAFT_GROUP_SIZE, draft_bits, class_predicate=_quantizable)
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
+def load_target(path: Path) -> tuple[nn.Module, object]:
+    if path.is_file() and path.suffix == ".gguf":
+        from .gguf import load_gguf
+
+        return load_gguf(path)
+    if not (path / "config.json").exists():
+        raise ModelNotFoundError(f"{path}: no config.json (not an mlx-lm model folder or .gguf file)")
+    from mlx_lm.utils import load as mlx_load
+
+    try:
+        return mlx_load(str(path))
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"{path}: cannot load target ({msg})") from None
+
+
+def check_pair(target: Target, cfg: DraftConfig) -> None:
+    if target.hidden_size is not None and cfg.hidden_size != target.hidden_size:
+        raise PairMismatchError(
+            f"draft hidden size {cfg.hidden_size} ≠ target hidden size {target.hidden_size}: "
+            "this draft was trained for another target"
+        )
+    if target.vocab_size is not None and cfg.vocab_size != target.vocab_size:
+        raise PairMismatchError(
+            f"draft vocabulary {cfg.vocab_size} ≠ target vocabulary {target.vocab_size}: "
+            "this draft was trained for another target"
+        )
+    if target.vocab_size is not None and not 0 <= cfg.mask_token_id < target.vocab_size:
+        raise PairMismatchError(
+            f"draft mask token id {cfg.mask_token_id} is outside the target vocabulary"
+        )
+    target.set_taps(cfg.target_layer_ids)
+
+
+def weights_dtype(weights: str) -> mx.Dtype | None:
+    """The dense dtype a weight policy asks for (None: keep the checkpoint's quantization)."""
+    if weights not in WEIGHT_POLICIES:
+        raise DFlashError(f"weights must be one of {', '.join(WEIGHT_POLICIES)}, got {weights!r}")
+    if weights == "auto":
+        # MLX's CPU 4-bit matmul costs ∝ verify width; dense float32 makes speculation pay.
+        return mx.float32 if on_cpu() else None
+    return {"quantized": None, "float32": mx.float32, "bfloat16": mx.bfloat16}[weights]
+
+
+def load(
+    target: str | os.PathLike,
+    draft: str | os.PathLike | None,
+    *,
+    draft_bits: int = 4,
+    weights: str = "auto",
+    progress: Callable[[str], None] | None = None,
+    revisions: tuple[str | None, str | None] = (None, None),
+) -> Pair:
+    """Load a target (mlx-lm folder, .gguf file or Hub repo) and a DFlash draft.
+
+    Args:
+        draft: draft folder or repo, or None for plain AR.
+        draft_bits: 4 or 8 quantizes the draft (group 64) at load; 16 keeps it.
+        weights: "auto" (float32 on the CPU device, as loaded on a GPU), "quantized",
+            "float32" or "bfloat16".
+    """
+    say = progress or (lambda _msg: None)
+    if draft_bits not in DRAFT_BITS:
+        raise DFlashError(f"--draft-bits must be one of 4, 8, 16, got {draft_bits}")
+    dtype = weights_dtype(weights)
+    say(f"loading target {target}")
+    t_path = resolve(target, MODEL_PATTERNS, revisions[0], progress=progress is not None)
+    model, tokenizer = load_target(t_path)
+    if dtype is not None:
+        convert_weights(model, dtype)
+    tgt = Target(model)
+    d_model = None
+    if draft is not None:
+        say(f"loading draft {draft}")
+        d_path = resolve(draft, DRAFT_PATTERNS, revisions[1], progress=progress is not None)
+        cfg = DraftConfig.from_file((d_path if d_path.is_dir() else d_path.parent) / "config.json")
+        check_pair(tgt, cfg)  # before loading weights: a mismatch never reaches MLX shapes
+        d_model = load_draft(d_path, draft_bits)
+        if dtype is not None:
+            convert_weights(d_model, dtype)
+        d_model.bind(tgt)
+    policy = weights if weights != "auto" else ("float32" if dtype is not None else "quantized")
+    return Pair(tgt, d_model, tokenizer, str(target), None if draft is None else str(draft),
+                weights=policy, draft_bits=draft_bits)
+
+
+def pair_from_models(model: nn.Module, tokenizer, draft: DFlashDraftModel | None = None,
+                     target_id: str = "in-memory", draft_id: str | None = None) -> Pair:
+    """Assemble a Pair from already-built modules (tests, training, embedding in apps)."""
+    tgt = Target(model)
+    if draft is not None:
+        check_pair(tgt, draft.config)
+        draft.bind(tgt)
+    return Pair(tgt, draft, tokenizer, target_id, draft_id)

@@ -1,0 +1,99 @@
+"""Pure acceptance rules: greedy prefix match and exact rejection sampling.
+
+Every function here is stateless, so the statistical tests can drive it directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def sampling_probs(logits: mx.array, params: SamplingParams) -> mx.array:
+    """The target distribution after temperature, top-k and top-p, in float32.
+
+    Top-k and top-p shape only this (target) distribution; the rejection rule below then
+    reproduces it exactly whatever the draft proposes.
+    """
+    x = logits.astype(mx.float32) / params.temperature
+    vocab = x.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = mx.sort(x, axis=-1)[..., vocab - params.top_k][..., None]
+        x = mx.where(x >= kth, x, -mx.inf)
+    probs = mx.softmax(x, axis=-1)
+    if params.top_p < 1.0:
+        order = mx.argsort(-probs, axis=-1)
+        sorted_p = mx.take_along_axis(probs, order, axis=-1)
+        # keep a token while the mass strictly before it is below top_p (the first always stays)
+        keep_sorted = (mx.cumsum(sorted_p, axis=-1) - sorted_p) < params.top_p
+        inverse = mx.argsort(order, axis=-1)
+        keep = mx.take_along_axis(keep_sorted, inverse, axis=-1)
+        probs = mx.where(keep, probs, 0.0)
+        probs = probs / probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+def greedy_accept(drafted: list[int], target_argmax: list[int]) -> tuple[int, int]:
+    """Length of the agreeing prefix and the bonus token (target argmax after it).
+
+    `target_argmax[i]` is the target's choice for the token after block slot i, so draft
+    token `drafted[i]` (slot i+1) is checked against `target_argmax[i]`.
+    """
+    accepted = 0
+    while accepted < len(drafted) and drafted[accepted] == target_argmax[accepted]:
+        accepted += 1
+    return accepted, target_argmax[accepted]
+
+
+def rejection_sample(
+    drafted: mx.array,
+    target_probs: mx.array,
+    draft_probs: mx.array | None,
+    key: mx.array,
+) -> tuple[int, int]:
+    """Speculative sampling (Leviathan et al.): exact in distribution.
+
+    Args:
+        drafted: (γ,) proposed ids for slots 1..γ.
+        target_probs: (γ+1, V) target distribution after each block slot.
+        draft_probs: (γ, V) proposal distribution, or None for one-hot argmax proposals.
+        key: PRNG key for this round.
+
+    Returns:
+        (accepted, next token): accept slot i+1 iff u·q(d) < p(d); the next token comes from
+        the normalised residual max(p − q, 0) at the first rejection, or from p after the
+        last slot when everything was accepted.
+    """
+    gamma = drafted.shape[0]
+    k_accept, k_next = mx.random.split(key)
+    if gamma == 0:
+        return 0, mx.random.categorical(mx.log(target_probs[0]), key=k_next).item()
+    rows = mx.arange(gamma)
+    p = target_probs[rows, drafted]
+    q = mx.ones_like(p) if draft_probs is None else draft_probs[rows, drafted]
+    u = mx.random.uniform(shape=(gamma,), key=k_accept)
+    ok = (u * q < p).tolist()
+    accepted = ok.index(False) if False in ok else gamma
+    dist = target_probs[accepted]
+    if accepted < gamma:
+        if draft_probs is None:
+            q_row = mx.arange(dist.shape[0]) == drafted[accepted]
+        else:
+            q_row = draft_probs[accepted]
+        residual = mx.maximum(dist - q_row, 0.0)
+        total = residual.sum()
+        # p == q exactly leaves no residual mass; p itself is then the right distribution
+        dist = mx.where(total > 0, residual / mx.maximum(total, 1e-30), dist)
+    return accepted, mx.random.categorical(mx.log(dist), key=k_next).item()
