@@ -1,0 +1,104 @@
+"""Running statistics over BlockEvents: τ, per-position acceptance, tokens/s, break-even."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .decode import BlockEvent
+
+
+@dataclass
+class Stats:
+    """Accumulates events of one or more generations.
+
+    τ (mean acceptance length) counts tokens per verify round including the bonus token, the
+    DFlash papers' definition; rounds of width 1 (AR steps, the last token under max_tokens)
+    count too, so τ is exactly generated tokens / target passes.
+    """
+
+    rounds: int = 0
+    tokens: int = 0
+    drafted_rounds: int = 0
+    position_tries: list[int] = field(default_factory=list)
+    position_hits: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    prompt_s: float = 0.0
+    lengths: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, ev: BlockEvent) -> None:
+        if ev.generation_tokens == len(ev.tokens):
+            # first event of a generation: count its prefill once
+            self.prompt_tokens += ev.prompt_tokens
+            self.reused_tokens += ev.reused_tokens
+            self.prompt_s += ev.prompt_s
+        self.rounds += 1
+        self.tokens += len(ev.tokens)
+        self.lengths.append(len(ev.tokens))
+        self.draft_s += ev.draft_s
+        self.verify_s += ev.verify_s
+        if ev.drafted:
+            self.drafted_rounds += 1
+        for i, ok in enumerate(ev.accept_flags):
+            while len(self.position_tries) <= i:
+                self.position_tries.append(0)
+                self.position_hits.append(0)
+            self.position_tries[i] += 1
+            self.position_hits[i] += int(ok)
+            if not ok:
+                break  # later positions were never really tried
+        self.finish_reason = ev.finish_reason or self.finish_reason
+
+    @property
+    def tau(self) -> float:
+        return self.tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_rates(self) -> list[float]:
+        """P(position i accepted | positions < i accepted), for draft positions 1..B-1."""
+        return [h / t if t else 0.0 for h, t in zip(self.position_hits, self.position_tries)]
+
+    @property
+    def decode_s(self) -> float:
+        return self.draft_s + self.verify_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_s if self.prompt_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "generation_tokens": self.tokens,
+            "tau": round(self.tau, 4),
+            "acceptance_rates": [round(r, 4) for r in self.acceptance_rates],
+            "draft_s": round(self.draft_s, 4),
+            "verify_s": round(self.verify_s, 4),
+            "generation_tps": round(self.tokens_per_s, 3),
+            "prompt_tokens": self.prompt_tokens,
+            "reused_tokens": self.reused_tokens,
+            "prompt_tps": round(self.prompt_tps, 3),
+            "finish_reason": self.finish_reason,
+        }
+
+
+def break_even_tau(verify_cost: float, draft_cost: float) -> float:
+    """τ at which speculation matches AR.
+
+    Args:
+        verify_cost: one verify pass of width B relative to one AR step.
+        draft_cost: one draft pass relative to one AR step.
+    """
+    return verify_cost + draft_cost
+
+
+def predicted_speedup(tau: float, verify_cost: float, draft_cost: float) -> float:
+    """AR time per token / DFlash time per token, from costs relative to one AR step."""
+    return tau / (verify_cost + draft_cost)
