@@ -3,10 +3,12 @@
 MLX reads GGUF natively: Q4_0, Q4_1 and Q8_0 tensors come back as affine
 (weight, scales, biases) triples with group size 32, so they load straight into
 `QuantizedLinear`/`QuantizedEmbedding` and stay quantized. Float tensors (norms,
-F16/F32 weights) stay float.
+F16/F32 weights) stay float. MLX dequantizes Q2_K, Q4_K and Q6_K to float16
+(those layers load dense) and refuses the other K- and I-quants.
 """
 
 import re
+import struct
 from pathlib import Path
 
 import mlx.core as mx
@@ -50,6 +52,7 @@ def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict]:
     path = Path(path)
     if not path.is_file():
         raise ModelNotFoundError(f"GGUF file not found: {path}")
+    _check_header(path)
     try:
         weights, metadata = mx.load(str(path), return_metadata=True)
     except Exception as e:
@@ -58,6 +61,23 @@ def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict]:
             f"{SUPPORTED_TYPES}; re-quantize to Q4_0/Q4_1/Q8_0 or use an MLX repository)"
         ) from e
     return weights, metadata
+
+
+def _check_header(path: Path) -> None:
+    # MLX's GGUF parser crashes the process (not an exception) on some bad
+    # headers, so reject what can be checked cheaply before calling it.
+    with open(path, "rb") as f:
+        header = f.read(24)
+    size = path.stat().st_size
+    if len(header) < 24 or header[:4] != b"GGUF":
+        raise CheckpointError(f"{path} is not a GGUF file (bad magic number).")
+    version, n_tensors, n_kv = struct.unpack("<IQQ", header[4:])
+    if version not in (2, 3):
+        raise CheckpointError(
+            f"{path} has unsupported GGUF version {version} (need 2 or 3)."
+        )
+    if n_tensors > size // 24 or n_kv > size // 12:
+        raise CheckpointError(f"{path} has a corrupt GGUF header; download it again.")
 
 
 def _meta(metadata: dict, key: str, default=None):
@@ -83,7 +103,8 @@ def model_args(metadata: dict) -> ModelArgs:
 
     Raises:
         CheckpointError: The architecture is not `llama`, or uses a feature the
-            mlx-lm llama model lacks (experts, partial or scaled RoPE).
+            mlx-lm llama model lacks (experts, partial RoPE, non-linear
+            RoPE scaling).
     """
     arch = _meta(metadata, "general.architecture")
     if arch != "llama":
@@ -101,7 +122,10 @@ def model_args(metadata: dict) -> ModelArgs:
     heads = _int(metadata, p + "attention.head_count")
     head_dim = _int(metadata, p + "attention.key_length", hidden // heads)
     rope_dims = _int(metadata, p + "rope.dimension_count", head_dim)
-    if rope_dims != head_dim or _int(metadata, p + "attention.value_length", head_dim) != head_dim:
+    if (
+        rope_dims != head_dim
+        or _int(metadata, p + "attention.value_length", head_dim) != head_dim
+    ):
         raise CheckpointError(
             "GGUF uses partial RoPE or distinct key/value head sizes, which the "
             "llama model does not support; use the model's MLX repository instead."
@@ -115,7 +139,9 @@ def model_args(metadata: dict) -> ModelArgs:
         num_attention_heads=heads,
         num_key_value_heads=_int(metadata, p + "attention.head_count_kv", heads),
         head_dim=head_dim,
-        rms_norm_eps=float(_meta(metadata, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rms_norm_eps=float(
+            _meta(metadata, p + "attention.layer_norm_rms_epsilon", 1e-5)
+        ),
         vocab_size=len(tokens) or _int(metadata, p + "vocab_size"),
         max_position_embeddings=_int(metadata, p + "context_length", 4096),
         rope_theta=float(_meta(metadata, p + "rope.freq_base", 10000.0)),
@@ -167,7 +193,10 @@ def _quantization(model: nn.Module, weights: dict[str, mx.array]) -> dict[str, d
         in_dims = module.weight.shape[-1]
         group_size = in_dims // scales.shape[-1]
         bits = packed.shape[-1] * 32 // in_dims
-        if group_size * scales.shape[-1] != in_dims or bits * in_dims != packed.shape[-1] * 32:
+        if (
+            group_size * scales.shape[-1] != in_dims
+            or bits * in_dims != packed.shape[-1] * 32
+        ):
             raise CheckpointError(
                 f"quantized tensor {key!r} has shape {packed.shape} / {scales.shape}, "
                 f"which does not fit {in_dims} input features."
@@ -183,9 +212,10 @@ class FreqRoPE(nn.Module):
     GGUFs store their long-context scaling.
     """
 
-    def __init__(self, dims: int, base: float, factors: mx.array):
+    def __init__(self, dims: int, base: float, factors: mx.array, scale=1.0):
         super().__init__()
         self.dims = dims
+        self.scale = scale
         periods = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
         self._freqs = periods * factors.astype(mx.float32)
 
@@ -195,7 +225,7 @@ class FreqRoPE(nn.Module):
             self.dims,
             traditional=True,
             base=None,
-            scale=1.0,
+            scale=self.scale,
             offset=offset,
             freqs=self._freqs,
         )
@@ -221,13 +251,15 @@ def build_model(weights: dict[str, mx.array], metadata: dict) -> Model:
     quant = _quantization(model, weights)
     nn.quantize(model, class_predicate=lambda path, _: quant.get(path, False))
     if rope_factors is not None:
-        head_dim = args.head_dim
-        if rope_factors.size != head_dim // 2:
+        dims = args.head_dim
+        if rope_factors.size != dims // 2:
             raise CheckpointError(
-                f"rope_freqs.weight has {rope_factors.size} factors, expected {head_dim // 2}."
+                f"rope_freqs.weight has {rope_factors.size} factors, expected {dims // 2}."
             )
+        scale = 1 / args.rope_scaling["factor"] if args.rope_scaling else 1.0
         for layer in model.layers:
-            layer.self_attn.rope = FreqRoPE(head_dim, args.rope_theta, rope_factors)
+            rope = FreqRoPE(dims, args.rope_theta, rope_factors, scale)
+            layer.self_attn.rope = rope
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:

@@ -130,7 +130,9 @@ def build_tokenizer_object(metadata: dict) -> Tokenizer:
     tokens = list(_value(metadata, "tokenizer.ggml.tokens") or [])
     if not tokens:
         raise CheckpointError("GGUF file has no tokenizer.ggml.tokens vocabulary.")
-    types = _value(metadata, "tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+    types = _value(metadata, "tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(
+        tokens
+    )
     merges = _split_merges(list(_value(metadata, "tokenizer.ggml.merges") or []))
 
     # Duplicate strings keep their first id, as llama.cpp's text_to_token does.
@@ -182,7 +184,12 @@ def build_tokenizer(
     }
     names = {
         f"{role}_token": tokens[ids[key]]
-        for role, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))
+        for role, key in (
+            ("bos", "bos"),
+            ("eos", "eos"),
+            ("unk", "unknown"),
+            ("pad", "padding"),
+        )
         if ids[key] is not None
     }
     kwargs = {}
