@@ -129,6 +129,8 @@ def prefill(pair, session: Session, prompt: list[int]) -> tuple[int, int]:
     use_draft = session.draft_cache is not None
     keep = min(_common_prefix(session.tokens, prompt), len(prompt) - 1)
     keep = min(keep, max(len(session.tokens) - 1, 0))
+    # recurrent (GatedDeltaNet) targets can only go back to a checkpoint or to the start
+    keep = pair.target.rewind_point(session.target_cache, keep)
     try:
         _rewind(pair, session, keep)
         session.tokens = prompt[:keep]
@@ -140,6 +142,7 @@ def prefill(pair, session: Session, prompt: list[int]) -> tuple[int, int]:
             _append_pending(session, taps, limit)
             mx.eval([c.state for c in session.target_cache], session.pending)
             session.tokens.extend(chunk)
+        pair.target.checkpoint(session.target_cache)
     except BaseException:
         _rewind(pair, session, len(session.tokens))
         raise
@@ -238,8 +241,13 @@ def stream_generate(
         if width > 1:
             block = mx.array([[last] + [mask_id] * (width - 1)])
             draft_len = session.draft_cache[0].offset
+            dkey = None
+            if not params.greedy:  # DFlash 2's selector samples its path (v1 ignores both)
+                key, dkey = mx.random.split(key)
             try:
-                tokens, q = pair.draft.propose(block, session.pending, session.draft_cache)
+                tokens, q = pair.draft.propose(
+                    block, session.pending, session.draft_cache, params=params, key=dkey
+                )
                 mx.eval(tokens)
                 session.pending = None
             except BaseException:
@@ -272,7 +280,10 @@ def stream_generate(
             session.tokens.extend(new)
             committed = len(session.tokens) - 1
             if taps is not None:
-                session.pending = taps[:, : committed - base]
+                # a width-1 round drafts nothing, so earlier pending rows may still be waiting
+                new_rows = taps[:, : committed - base]
+                session.pending = (new_rows if session.pending is None
+                                   else mx.concatenate([session.pending, new_rows], axis=1))
         finally:
             # Positions past `committed` hold rejected drafts (or a half-done pass): drop them.
             pair.target.truncate(session.target_cache, committed)

@@ -1,0 +1,70 @@
+"""Shared helpers for the engine tests: tiny pairs, a reference AR decoder, an oracle draft."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+from dflash_mlx.draft import DFlashDraftModel
+from dflash_mlx.target import Target
+
+
+def mlx_lm_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Plain mlx-lm greedy decoding: the reference the engine must reproduce."""
+    out = []
+    for tok, _ in generate_step(mx.array(prompt), model, max_tokens=n,
+                                sampler=lambda x: mx.argmax(x, axis=-1)):
+        out.append(int(tok))
+    return out
+
+
+class Oracle:
+    """What the oracle draft proposes: a reference continuation, sometimes corrupted."""
+
+    def __init__(self, reference: list[int], prompt_len: int, p_wrong: float, seed: int):
+        self.reference, self.prompt_len, self.p_wrong = reference, prompt_len, p_wrong
+        self.rng = random.Random(seed)
+
+
+class OracleDraft(DFlashDraftModel):
+    """A real draft whose proposals are replaced by the oracle's.
+
+    The real forward still runs, so the draft cache bookkeeping is exercised; the proposals
+    make every accept pattern (0..B-1) happen, which a random draft never would.
+    """
+
+    oracle: Oracle | None = None
+
+    def propose(self, block_ids, context, cache, **kw):
+        tokens, q = super().propose(block_ids, context, cache, **kw)
+        if self.oracle is None:
+            return tokens, q
+        o = self.oracle
+        pos = cache[0].offset  # absolute position of block slot 0
+        out = []
+        for i in range(1, block_ids.shape[1]):
+            j = pos + i - o.prompt_len
+            tok = o.reference[j] if 0 <= j < len(o.reference) else 0
+            if o.rng.random() < o.p_wrong:
+                tok = o.rng.randrange(self.config.vocab_size)
+            out.append(tok)
+        return mx.array(out, dtype=mx.uint32), q
+
+
+class RecordingTarget(Target):
+    """Keeps the logits of every verify pass (the greedy invariant is checked against them)."""
+
+    def __init__(self, model, tap_ids=None):
+        super().__init__(model, tap_ids)
+        self.passes: list[mx.array] = []
+
+    def __call__(self, ids, cache, taps=True):
+        logits, t = super().__call__(ids, cache, taps)
+        self.passes.append(logits[0])
+        return logits, t
+
+
+def cache_arrays(cache: list, length: int) -> list[tuple[mx.array, mx.array]]:
+    return [(c.keys[..., :length, :], c.values[..., :length, :]) for c in cache]
