@@ -141,13 +141,18 @@ class ContextCache:
         self.start += n
 
     def trim(self, n: int) -> int:
-        n = min(n, self.offset - self.start)
+        """Drop the last `n` positions. Going back past `start` (rows a window already
+        dropped) empties the cache at the new, still absolute, position: the draft then sees
+        less context for a while, which costs acceptance, never exactness."""
+        n = min(n, self.offset)
         if n > 0:
             self.offset -= n
-            keep = self.offset - self.start
-            self.keys, self.values = self.keys[:, :, :keep], self.values[:, :, :keep]
+            keep = max(self.offset - self.start, 0)
+            self.start = min(self.start, self.offset)
             if keep == 0:
                 self.keys = self.values = None
+            else:
+                self.keys, self.values = self.keys[:, :, :keep], self.values[:, :, :keep]
         return n
 
     def size(self) -> int:
@@ -241,12 +246,14 @@ class DFlashDraftModel(nn.Module):
         return out
 
     def propose(
-        self, block_ids: mx.array, context: mx.array | None, cache: list[ContextCache]
+        self, block_ids: mx.array, context: mx.array | None, cache: list[ContextCache],
+        params=None, key: mx.array | None = None,
     ) -> tuple[mx.array, mx.array | None]:
         """Draft tokens for slots 1..L-1 and their proposal distribution (None = one-hot).
 
         v1 drafts propose the per-slot argmax: the slots are independent marginals, so
         sampling them would give an incoherent block; a one-hot q keeps the sampler exact.
+        `params` (SamplingParams) and `key` are for DFlash 2's selector; v1 ignores them.
         """
         hidden = self(block_ids, context, cache)
         return mx.argmax(self.logits(hidden[:, 1:]), axis=-1)[0], None

@@ -14,6 +14,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .config import DraftConfig
 from .draft import DFlashDraftModel
 from .errors import CheckpointError, DFlashError, ModelNotFoundError, PairMismatchError
+from .hybrid import target_for
 from .target import Target
 
 # Never *.py (no remote code) and never *.bin / *.pt (no pickle).
@@ -94,12 +95,18 @@ def convert_weights(model: nn.Module, dtype: mx.Dtype) -> nn.Module:
     return model
 
 
-def _quantizable(_, m) -> bool:
-    return isinstance(m, nn.Linear) and m.weight.shape[-1] % DRAFT_GROUP_SIZE == 0
+def _quantizable(path, m) -> bool:
+    # the DFlash 2 selector is quantized only on request (selector_bits)
+    return (isinstance(m, nn.Linear) and m.weight.shape[-1] % DRAFT_GROUP_SIZE == 0
+            and not path.startswith("candidate_selector."))
 
 
-def load_draft(path: str | os.PathLike, draft_bits: int = 16) -> DFlashDraftModel:
-    """Build the draft from config.json and its safetensors (strict key match)."""
+def load_draft(path: str | os.PathLike, draft_bits: int = 16,
+               selector_bits: int | None = None) -> DFlashDraftModel:
+    """Build the draft from config.json and its safetensors (strict key match).
+
+    `selector_bits` (4 or 8) also quantizes a DFlash 2 selector's codebooks and projection.
+    """
     path = Path(path)
     folder = path if path.is_dir() else path.parent
     cfg = DraftConfig.from_file(folder / "config.json")
@@ -127,6 +134,10 @@ def load_draft(path: str | os.PathLike, draft_bits: int = 16) -> DFlashDraftMode
         raise CheckpointError(f"draft bits must be one of {DRAFT_BITS}, got {draft_bits}")
     if draft_bits != 16:
         nn.quantize(model, DRAFT_GROUP_SIZE, draft_bits, class_predicate=_quantizable)
+    if selector_bits is not None and hasattr(model, "quantize_selector"):
+        if selector_bits not in (4, 8):
+            raise CheckpointError(f"selector bits must be 4 or 8, got {selector_bits}")
+        model.quantize_selector(selector_bits)
     model.eval()
     mx.eval(model.parameters())
     return model
@@ -184,6 +195,8 @@ def load(
     weights: str = "auto",
     progress: Callable[[str], None] | None = None,
     revisions: tuple[str | None, str | None] = (None, None),
+    draft_window: int | None = None,
+    selector_bits: int | None = None,
 ) -> Pair:
     """Load a target (mlx-lm folder, .gguf file or Hub repo) and a DFlash draft.
 
@@ -192,6 +205,9 @@ def load(
         draft_bits: 4 or 8 quantizes the draft (group 64) at load; 16 keeps it.
         weights: "auto" (float32 on the CPU device, as loaded on a GPU), "quantized",
             "float32" or "bfloat16".
+        draft_window: keep at most this many context rows in the draft's KV cache
+            (`--draft-window`; None = the draft config's own sliding windows only).
+        selector_bits: 4 or 8 quantizes a DFlash 2 selector too (None keeps it as loaded).
     """
     say = progress or (lambda _msg: None)
     if draft_bits not in DRAFT_BITS:
@@ -202,16 +218,20 @@ def load(
     model, tokenizer = load_target(t_path)
     if dtype is not None:
         convert_weights(model, dtype)
-    tgt = Target(model)
+    tgt = target_for(model)  # HybridTarget for GatedDeltaNet (qwen3_5-family) targets
     d_model = None
     if draft is not None:
         say(f"loading draft {draft}")
         d_path = resolve(draft, DRAFT_PATTERNS, revisions[1], progress=progress is not None)
         cfg = DraftConfig.from_file((d_path if d_path.is_dir() else d_path.parent) / "config.json")
         check_pair(tgt, cfg)  # before loading weights: a mismatch never reaches MLX shapes
-        d_model = load_draft(d_path, draft_bits)
+        d_model = load_draft(d_path, draft_bits, selector_bits)
         if dtype is not None:
             convert_weights(d_model, dtype)
+        if draft_window is not None:
+            if draft_window < 1:
+                raise DFlashError(f"--draft-window must be at least 1, got {draft_window}")
+            d_model.window_limit = int(draft_window)
         d_model.bind(tgt)
     policy = weights if weights != "auto" else ("float32" if dtype is not None else "quantized")
     return Pair(tgt, d_model, tokenizer, str(target), None if draft is None else str(draft),
@@ -221,7 +241,7 @@ def load(
 def pair_from_models(model: nn.Module, tokenizer, draft: DFlashDraftModel | None = None,
                      target_id: str = "in-memory", draft_id: str | None = None) -> Pair:
     """Assemble a Pair from already-built modules (tests, training, embedding in apps)."""
-    tgt = Target(model)
+    tgt = target_for(model)
     if draft is not None:
         check_pair(tgt, draft.config)
         draft.bind(tgt)

@@ -124,6 +124,13 @@ class Target:
     def cache_length(cache: list) -> int:
         return cache[0].offset
 
+    def rewind_point(self, cache: list, length: int) -> int:
+        """The longest length ≤ `length` that `truncate` restores exactly (KV caches: any)."""
+        return length
+
+    def checkpoint(self, cache: list) -> None:
+        """Mark the current contents as a rewind point (a no-op for trimmable caches)."""
+
     def truncate(self, cache: list, length: int) -> None:
         """Drop every cached position at or after `length`."""
         for c in cache:

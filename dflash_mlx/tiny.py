@@ -118,6 +118,8 @@ def save_draft(model: DFlashDraftModel, folder: Path) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(model.parameters()))
+    if hasattr(model, "checkpoint_weights"):  # DFlash2: codebooks are stored without `.weight`
+        weights = model.checkpoint_weights(weights)
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
     (folder / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2))
     return folder
@@ -127,3 +129,58 @@ def make_draft(folder: Path, cfg: DraftConfig | None = None, seed: int = 1) -> P
     mx.random.seed(seed)
     model = DFlashDraftModel(cfg or draft_config())
     return save_draft(model, folder)
+
+
+# -- hybrid (qwen3_5: GatedDeltaNet + attention) targets and DFlash 2 drafts --
+
+HYBRID_TARGET = {
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 3,
+    "rope_parameters": {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+}
+
+
+def make_hybrid_target(folder: Path, seed: int = 0, **over) -> Path:
+    """A tiny mlx-lm `qwen3_5` target: GatedDeltaNet layers with attention every third layer."""
+    return make_target(folder, model_type="qwen3_5", seed=seed, **{**HYBRID_TARGET, **over})
+
+
+def dflash2_config(target_layers: int = 6, hidden: int = 64, block_size: int = 8,
+                   top_k: int = 8, rank: int = 32, **over) -> DraftConfig:
+    """A tiny DFlash 2 config in the z-lab layout (all conv/selector fields in dflash_config)."""
+    dflash = {
+        "mask_token_id": MASK_ID,
+        "block_size": block_size,
+        "conv_kernel_size": 2,
+        "conv_group_size": 16,
+        "selector_rank": rank,
+        "selector_top_k": top_k,
+        **over.pop("dflash_config", {}),
+    }
+    raw = {"architectures": ["DFlash2DraftModel"], "dflash_config": dflash, **over}
+    return draft_config(target_layers, hidden, block_size, **raw)
+
+
+def make_dflash2_draft(folder: Path, cfg: DraftConfig | None = None, seed: int = 1) -> Path:
+    """A random DFlash 2 draft; convs and selector get random (non-identity) weights."""
+    from .dflash2 import DFlash2DraftModel
+
+    mx.random.seed(seed)
+    model = DFlash2DraftModel(cfg or dflash2_config())
+    randomize_dflash2(model)
+    return save_draft(model, folder)
+
+
+def randomize_dflash2(model, scale: float = 0.5) -> None:
+    """Give the identity-initialised convolutions and the selector random values."""
+    from mlx.utils import tree_unflatten
+
+    upd = []
+    for name, p in tree_flatten(model.parameters()):
+        if "_conv." in name or name.startswith("candidate_selector."):
+            upd.append((name, p + scale * mx.random.normal(p.shape)))
+    model.update(tree_unflatten(upd))
