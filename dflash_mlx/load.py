@@ -154,7 +154,7 @@ def load_target(path: Path) -> tuple[nn.Module, object]:
 
     try:
         return mlx_load(str(path))
-    except (ValueError, FileNotFoundError, KeyError) as e:
+    except (ValueError, FileNotFoundError, KeyError, RuntimeError) as e:  # mx.load: corrupt file
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CheckpointError(f"{path}: cannot load target ({msg})") from None
 
