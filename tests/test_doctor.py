@@ -1,0 +1,106 @@
+"""`doctor`: BLAS detection, the verify-cost curve, break-even τ and its cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash_mlx import blas, doctor
+from dflash_mlx.cli import app
+
+runner = CliRunner()
+
+
+def curve(verify, draft):
+    return doctor.CostCurve(widths=list(range(1, len(verify) + 1)), verify=verify, draft=draft,
+                            step_ms=10.0, context=64, measured_at="now")
+
+
+def test_tau_and_alpha_round_trip():
+    for tau in (1.2, 2.0, 3.0, 4.5):
+        alpha = doctor.alpha_from_tau(tau)
+        assert doctor.tau_at(alpha, 5) == pytest.approx(tau, abs=1e-6)
+    assert doctor.tau_at(0.0, 8) == 1.0 and doctor.tau_at(1.0, 8) == 8.0
+
+
+def test_plan_break_even_and_recommendation():
+    c = curve([1.0, 1.1, 1.2, 1.3, 1.4, 3.0, 3.5, 4.0], [None] + [0.2] * 7)
+    rows = doctor.plan(c, tau=3.0)
+    assert [r.block_size for r in rows] == [2, 3, 4, 5, 6, 7, 8]
+    assert rows[3].break_even == pytest.approx(1.6)  # verify 1.4 + draft 0.2 at block 5
+    assert rows[3].expected_tau == pytest.approx(3.0)
+    assert rows[3].speedup == pytest.approx(3.0 / 1.6)
+    # widths past 5 got expensive: the knee wins
+    assert doctor.recommend(rows).block_size == 5
+    assert max(r.block_size for r in doctor.plan(c, max_block=4)) == 4
+
+
+def test_cost_cache_round_trip(isolated_cache):
+    c = curve([1.0, 1.2], [None, 0.3])
+    assert doctor.cached("k") is None
+    path = doctor.store("k", c)
+    assert path == isolated_cache / "verify-cost.json"
+    assert doctor.cached("k") == c
+    data = json.loads(path.read_text())
+    assert list(data) == [doctor.machine_key()]  # keyed by machine, then by model
+
+
+def test_measure_on_a_synthetic_shape():
+    pair = doctor.synthetic_pair("tiny", "float32")
+    assert pair.weights == "float32" and pair.draft.config.num_hidden_layers == 2
+    c = doctor.measure(pair, widths=(1, 2, 3), context=16, repeats=1)
+    assert c.widths == [1, 2, 3] and c.verify[0] == 1.0 and c.draft[0] is None
+    assert all(v > 0 for v in c.verify) and all(d > 0 for d in c.draft[1:])
+    quantized = doctor.synthetic_pair("tiny", "quantized")
+    assert quantized.weights == "quantized"
+
+
+def test_blas_status_and_env(monkeypatch):
+    st = blas.status()
+    assert set(st) == {"active", "library", "reason", "hint"}
+    monkeypatch.setenv(blas.ENV, "bundled")
+    assert blas.candidate() is None
+    monkeypatch.setenv(blas.ENV, "/opt/libopenblas.so")
+    assert str(blas.candidate()) == "/opt/libopenblas.so"
+    assert blas.gflops(1000.0, (1000, 1000, 1000)) == pytest.approx(2.0)
+
+
+@pytest.mark.skipif(not blas.OPENBLAS.exists(), reason="Debian OpenBLAS not installed")
+def test_openblas_is_active_when_installed():
+    # dflash_mlx/__init__ preloads it before mlx is imported (unless DFLASH_MLX_BLAS=bundled)
+    import os
+
+    if os.environ.get(blas.ENV) == "bundled":
+        pytest.skip("DFLASH_MLX_BLAS=bundled")
+    assert blas.status()["active"] == "OpenBLAS"
+
+
+def test_doctor_command(isolated_cache):
+    r = runner.invoke(app, ["doctor", "--shape", "tiny", "--repeats", "1", "--context", "32"])
+    assert r.exit_code == 0, r.output
+    for text in ("MLX ", "Device:", "Memory:", "CPU BLAS:", "float32 sgemm", "Verify cost",
+                 "break-even τ", "Recommended block size:"):
+        assert text in r.stdout, text
+    assert (isolated_cache / "verify-cost.json").is_file()
+    r = runner.invoke(app, ["doctor", "--shape", "tiny", "--repeats", "1", "--context", "32",
+                            "--json", "--tau", "2.5"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["blas"]["sgemm_ms"] > 0 and report["machine"]["cpu_count"] >= 1
+    assert report["curve"]["widths"] == list(range(1, 9)) and report["tau"] == 2.5
+    assert report["recommended_block_size"] in range(2, 9)
+    assert [p["block_size"] for p in report["plan"]] == list(range(2, 9))
+
+
+def test_doctor_on_a_model(tiny, isolated_cache):
+    r = runner.invoke(app, ["doctor", "--model", str(tiny.target), "--draft", str(tiny.draft),
+                            "--repeats", "1", "--context", "16", "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert str(tiny.target) in report["subject"]
+    # the same measurement then serves `generate --block-size auto` for this model
+    g = runner.invoke(app, ["generate", "hi", "--model", str(tiny.target), "--draft",
+                            str(tiny.draft), "--block-size", "auto", "--max-tokens", "2"])
+    assert g.exit_code == 0 and "cached measurement" in g.stderr
