@@ -89,8 +89,9 @@ class Attention(nn.Module):
         )[None]
         visible = mx.ones((L, k_pos.shape[1]), dtype=mx.bool_)
         if self.window is not None:
-            # by absolute position, so a ring buffer can never mask the wrong rows
-            visible = visible & ((q_pos - k_pos) < self.window)
+            # context keys by absolute position, so a ring buffer can never mask the wrong
+            # rows; block keys stay visible (reference §1.3), even for a window < block size
+            visible = visible & ((k_pos >= cache.offset) | ((q_pos - k_pos) < self.window))
         if self.causal:
             visible = visible & ((k_pos < cache.offset) | (k_pos <= q_pos))
         return visible
