@@ -20,12 +20,13 @@ from .errors import PairMismatchError
 class _Tap:
     """Stands in for one layer during a call and keeps its output."""
 
-    def __init__(self, layer, store: list, slot: int):
-        self._layer, self._store, self._slot = layer, store, slot
+    def __init__(self, layer, store: list, slots: list[int]):
+        self._layer, self._store, self._slots = layer, store, slots
 
     def __call__(self, *args, **kwargs):
         out = self._layer(*args, **kwargs)
-        self._store[self._slot] = out[0] if isinstance(out, tuple) else out
+        for slot in self._slots:  # a layer may be tapped more than once
+            self._store[slot] = out[0] if isinstance(out, tuple) else out
         return out
 
     def __getattr__(self, name):
@@ -101,8 +102,9 @@ class Target:
     def _taps(self, store: list):
         saved = {i: self.layers[i] for i in self.tap_ids}
         try:
-            for slot, i in enumerate(self.tap_ids):
-                self.layers[i] = _Tap(saved[i], store, slot)
+            for i, layer in saved.items():
+                slots = [s for s, lid in enumerate(self.tap_ids) if lid == i]
+                self.layers[i] = _Tap(layer, store, slots)
             yield
         finally:
             for i, layer in saved.items():

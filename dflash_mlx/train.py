@@ -1,0 +1,268 @@
+"""Train a DFlash (v1) draft for any mlx-lm target from cached features.
+
+Each step packs many blocks `[anchor token, MASK × (B−1)]` from a few sequences into one
+forward: every block sees the context taps strictly before its anchor and its own slots
+(bidirectionally), exactly what the draft sees at inference. The loss is cross-entropy
+against the target's own argmax predictions with position-decay weights, through the
+frozen, shared LM head. The trainer is a generator of `TrainEvent`s; it never prints.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .draft import DFlashDraftModel
+from .tiny import save_draft
+from .train_data import FeatureShard
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 2000
+    lr: float = 6e-4
+    warmup: int = 100
+    weight_decay: float = 0.01
+    seqs_per_step: int = 2
+    anchors_per_seq: int = 24
+    decay: float = 4.0  # position weight exp(-(i-1)/decay) for slot i
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_blocks: int = 512
+    eval_block_size: int = 5
+    checkpoint_every: int = 200
+    seed: int = 0
+
+
+@dataclass
+class TrainEvent:
+    step: int
+    loss: float
+    lr: float
+    tokens_per_s: float  # label positions per second
+    elapsed_s: float
+    heldout_tau: float | None = None
+    slot_accuracy: list[float] | None = None
+    checkpoint: str | None = None
+
+
+def _heads(x: mx.array, n: int, hd: int) -> mx.array:
+    B, L, _ = x.shape
+    return x.reshape(B, L, n, hd).transpose(0, 2, 1, 3)
+
+
+def packed_hidden(draft: DFlashDraftModel, blocks: mx.array, ctx: mx.array,
+                  seq_of: mx.array, anchors: mx.array) -> mx.array:
+    """Draft hidden states for many blocks at once.
+
+    Args:
+        blocks: (N, B) block ids, slot 0 = anchor token, the rest MASK.
+        ctx: (K, L, n_taps*H) context taps of K (zero-padded) sequences.
+        seq_of: (N,) which sequence each block reads.
+        anchors: (N,) absolute position of each block's slot 0; context rows < anchor are visible.
+    """
+    N, B = blocks.shape
+    L = ctx.shape[1]
+    h = draft.embed(blocks)
+    c = draft.hidden_norm(draft.fc(ctx.astype(h.dtype)))
+    visible_ctx = mx.arange(L)[None, :] < anchors[:, None]  # (N, L)
+    mask = mx.concatenate([visible_ctx, mx.ones((N, B), dtype=mx.bool_)], axis=1)
+    mask = mx.broadcast_to(mask[:, None, None, :], (N, 1, B, L + B))
+    for layer in draft.layers:
+        a = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = a.rope(a.q_norm(_heads(a.q_proj(x), a.n_heads, a.head_dim)), offset=anchors)
+        kb = a.rope(a.k_norm(_heads(a.k_proj(x), a.n_kv_heads, a.head_dim)), offset=anchors)
+        vb = _heads(a.v_proj(x), a.n_kv_heads, a.head_dim)
+        kc = a.rope(a.k_norm(_heads(a.k_proj(c), a.n_kv_heads, a.head_dim)))[seq_of]
+        vc = _heads(a.v_proj(c), a.n_kv_heads, a.head_dim)[seq_of]
+        keys = mx.concatenate([kc, kb], axis=2)
+        values = mx.concatenate([vc, vb], axis=2)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=a.scale, mask=mask)
+        h = h + a.o_proj(out.transpose(0, 2, 1, 3).reshape(N, B, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return draft.norm(h)
+
+
+class BlockSampler:
+    """Random anchors from feature shards, batched for `packed_hidden`."""
+
+    def __init__(self, shards: list[FeatureShard], block_size: int, mask_id: int, seed: int):
+        self.items = [(s, i) for s in shards for i in range(s.num_sequences)
+                      if s.starts[i + 1] - s.starts[i] > block_size + 1]
+        if not self.items:
+            raise ValueError("no training sequence is longer than the block size")
+        self.block, self.mask_id = block_size, mask_id
+        self.rng = np.random.default_rng(seed)
+
+    def batch(self, n_seqs: int, n_anchors: int):
+        picks = [self.items[j] for j in self.rng.integers(0, len(self.items), n_seqs)]
+        seqs = [s.sequence(i) for s, i in picks]
+        L = max(len(t) for t, _, _ in seqs)
+        F = seqs[0][2].shape[1]
+        ctx = np.zeros((n_seqs, L, F), dtype=np.float16)
+        blocks, labels, seq_of, anchors = [], [], [], []
+        B = self.block
+        for k, (tok, pred, taps) in enumerate(seqs):
+            ctx[k, : len(tok)] = taps
+            hi = len(tok) - B + 1  # labels pred[a .. a+B-2] must exist
+            for a in self.rng.integers(1, hi + 1, n_anchors):
+                blocks.append([tok[a]] + [self.mask_id] * (B - 1))
+                labels.append(pred[a : a + B - 1])
+                seq_of.append(k)
+                anchors.append(a)
+        return (mx.array(np.array(blocks, dtype=np.int32)), mx.array(ctx),
+                mx.array(np.array(seq_of, dtype=np.int32)),
+                mx.array(np.array(anchors, dtype=np.int32)),
+                mx.array(np.array(labels, dtype=np.int32)))
+
+
+def position_weights(block_size: int, decay: float) -> mx.array:
+    return mx.exp(-mx.arange(block_size - 1, dtype=mx.float32) / decay)
+
+
+def block_loss(draft, blocks, ctx, seq_of, anchors, labels, weights) -> mx.array:
+    h = packed_hidden(draft, blocks, ctx, seq_of, anchors)
+    logits = draft.logits(h[:, 1:]).astype(mx.float32)
+    ce = nn.losses.cross_entropy(logits, labels)  # (N, B-1)
+    return (ce * weights).sum() / (weights.sum() * ce.shape[0])
+
+
+def heldout_tau(draft, batches: list, block_size: int) -> tuple[float, list[float]]:
+    """Simulated greedy acceptance length at `block_size` on held-out anchors.
+
+    With the target's own predictions as labels, a draft slot is accepted iff its argmax equals
+    the label and all earlier slots were accepted; τ = 1 + accepted (the bonus token).
+    """
+    lengths, hits = [], np.zeros(block_size - 1)
+    for blocks, ctx, seq_of, anchors, labels in batches:
+        blocks, labels = blocks[:, :block_size], labels[:, : block_size - 1]
+        h = packed_hidden(draft, blocks, ctx, seq_of, anchors)
+        ok = np.array(mx.argmax(draft.logits(h[:, 1:]), axis=-1) == labels)
+        run = np.cumprod(ok, axis=1)
+        lengths.extend(1 + run.sum(axis=1))
+        hits += ok.sum(axis=0)
+    return float(np.mean(lengths)), list(hits / len(lengths))
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+def _save(draft, opt, step: int, out: Path, cfg: TrainConfig, log: list[dict]) -> Path:
+    # trainer state lives in a subfolder so the checkpoint folder itself is a plain draft
+    (out / "trainer").mkdir(parents=True, exist_ok=True)
+    save_draft(draft, out)
+    mx.save_safetensors(str(out / "trainer" / "optimizer.safetensors"),
+                        dict(tree_flatten(opt.state)))
+    state = {"step": step, "train_config": asdict(cfg), "log": log}
+    tmp = out / "trainer" / "state.json.tmp"
+    tmp.write_text(json.dumps(state, indent=1))
+    tmp.replace(out / "trainer" / "state.json")
+    return out
+
+
+def train(draft: DFlashDraftModel, train_shards: list[FeatureShard],
+          heldout_shards: list[FeatureShard], out_dir: Path, cfg: TrainConfig,
+          resume: bool = False) -> Iterator[TrainEvent]:
+    """Train `draft` (already bound to its target). Yields an event every eval interval."""
+    dc = draft.config
+    B = dc.block_size
+    sampler = BlockSampler(train_shards, B, dc.mask_token_id, cfg.seed)
+    evals = BlockSampler(heldout_shards, B, dc.mask_token_id, cfg.seed + 1)
+    # the same held-out anchors at every evaluation, so the τ curve is comparable
+    eval_batches = [evals.batch(8, 8) for _ in range(max(1, cfg.eval_blocks // 64))]
+    weights = position_weights(B, cfg.decay)
+    opt = optim.AdamW(learning_rate=cfg.lr, weight_decay=cfg.weight_decay)
+    start, log = 0, []
+    out_dir = Path(out_dir)
+    if resume and (out_dir / "trainer" / "state.json").exists():
+        state = json.loads((out_dir / "trainer" / "state.json").read_text())
+        start, log = state["step"], state["log"]
+        draft.load_weights(str(out_dir / "model.safetensors"))
+        opt.init(draft.trainable_parameters())
+        opt.state = tree_unflatten(list(mx.load(str(out_dir / "trainer" / "optimizer.safetensors")).items()))
+    loss_and_grad = nn.value_and_grad(draft, block_loss)
+    tic, labels_seen, losses = time.perf_counter(), 0, []
+    for step in range(start, cfg.steps):
+        opt.learning_rate = lr_at(step, cfg)
+        batch = sampler.batch(cfg.seqs_per_step, cfg.anchors_per_seq)
+        loss, grads = loss_and_grad(draft, *batch, weights)
+        grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
+        opt.update(draft, grads)
+        mx.eval(draft.parameters(), opt.state, loss)
+        losses.append(loss.item())
+        labels_seen += batch[0].shape[0] * (B - 1)
+        done = step + 1
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            elapsed = time.perf_counter() - tic
+            tau, acc = heldout_tau(draft, eval_batches, cfg.eval_block_size)
+            ev = TrainEvent(done, float(np.mean(losses)), opt.learning_rate.item(),
+                            labels_seen / elapsed, elapsed, tau, acc)
+            losses, labels_seen, tic = [], 0, time.perf_counter()
+            log.append({k: v for k, v in asdict(ev).items() if k != "checkpoint"})
+            if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+                ev.checkpoint = str(_save(draft, opt, done, out_dir, cfg, log))
+            yield ev
+
+
+def pick_mask_token(tokenizer) -> int:
+    """An existing special token the chat never uses: the draft's MASK embedding row."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    special = set(getattr(hf, "all_special_ids", []) or [])
+    special |= set(getattr(hf, "added_tokens_decoder", {}) or {})
+    reserved = set(getattr(tokenizer, "eos_token_ids", []) or [])
+    for name in ("bos_token_id", "pad_token_id", "unk_token_id", "eos_token_id"):
+        tid = getattr(hf, name, None)
+        if tid is not None:
+            reserved.add(tid)
+    try:  # tokens the chat template emits are taken, too
+        sample = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                  {"role": "assistant", "content": "a"}]
+        reserved |= set(tokenizer.apply_chat_template(sample, tokenize=True))
+    except Exception:
+        pass
+    free = sorted(special - reserved)
+    if not free:
+        raise ValueError("the tokenizer has no unused special token; pass mask_token_id")
+    return free[-1]
+
+
+def new_draft_config(target, *, num_layers: int = 2, block_size: int = 8,
+                     mask_token_id: int, num_taps: int = 5):
+    """A draft shaped like the target's own layers (hidden size must match)."""
+    from .config import DraftConfig, build_target_layer_ids
+    from .target import _text_args
+
+    args = _text_args(target.model)
+    heads = args["num_attention_heads"]
+    return DraftConfig(
+        hidden_size=target.hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=args.get("num_key_value_heads") or heads,
+        head_dim=args.get("head_dim") or target.hidden_size // heads,
+        intermediate_size=args["intermediate_size"],
+        vocab_size=target.vocab_size,
+        target_layer_ids=build_target_layer_ids(target.num_layers, num_taps),
+        mask_token_id=mask_token_id,
+        block_size=block_size,
+        rms_norm_eps=float(f"{args.get('rms_norm_eps', 1e-6):.6g}"),  # no float32 noise
+        rope_theta=float(args.get("rope_theta", 10000.0)),
+        max_position_embeddings=args.get("max_position_embeddings") or 8192,
+        layer_types=["full_attention"] * num_layers,
+        num_target_layers=target.num_layers,
+    )
