@@ -1,0 +1,477 @@
+"""Chat TUI: pure stream logic, transcripts, and the app driven by a tiny random pair."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import pytest
+
+from dflash_mlx import load
+from dflash_mlx.chat import apply_template
+from dflash_mlx.decode import BlockEvent
+from dflash_mlx.errors import ModelNotFoundError
+from dflash_mlx.tiny import make_draft, make_target
+from tui import transcript as tr
+from tui.app import ChatApp
+from tui.errors import describe_error
+from tui.scripted import ScriptedConversation
+from tui.settings import ChatSettings
+from tui.turn import TARGET, ThinkSplitter, Turn, char_labels, sanitize, token_labels
+from tui.widgets.loading import LoadingView
+from tui.widgets.messages import AssistantMessage, UserMessage
+from tui.widgets.panel import SpeculationPanel, bar, block_glyphs
+from tui.widgets.prompt import PromptInput
+from tui.widgets.provenance import align_spans
+
+SIZE = (110, 36)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tui-pair")
+    make_target(root / "target")
+    make_draft(root / "draft")
+    return load(root / "target", root / "draft", draft_bits=16)
+
+
+@pytest.fixture(autouse=True)
+def data_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_MLX_DATA", str(tmp_path / "data"))
+    return tmp_path / "data"
+
+
+def ev(tokens, text, accepted, block=5, finish=None, n=0):
+    drafted = [0] * (block - 1) if block > 1 else []
+    return BlockEvent(tokens=tokens, text=text, drafted=drafted, accepted=accepted,
+                      accept_flags=[i < accepted for i in range(len(drafted))], draft_s=0.01,
+                      verify_s=0.02, block_size=block, prompt_tokens=7, reused_tokens=3,
+                      prompt_s=0.1, generation_tokens=n, finish_reason=finish)
+
+
+def scripted(answers, **kw):
+    return functools.partial(ScriptedConversation, answers=answers, **kw)
+
+
+def app_for(pair, **kw):
+    kw.setdefault("settings", ChatSettings(max_tokens=40, seed=0))
+    return ChatApp(pair, memory=lambda: 2**30, **kw)
+
+
+async def settle(pilot):
+    """Wait for the workers and the end of the turn (a cancelled thread worker still runs)."""
+    await pilot.app.workers.wait_for_complete()
+    for _ in range(500):
+        if not pilot.app.busy:
+            break
+        await pilot.pause(0.01)
+    await pilot.pause()
+
+
+async def send(pilot, text: str):
+    prompt = pilot.app.query_one(PromptInput)
+    prompt.set_text(text)
+    await pilot.press("enter")
+    await settle(pilot)
+
+
+def last_answer(app) -> AssistantMessage:
+    return list(app.query(AssistantMessage))[-1]
+
+
+def errors(app) -> list[str]:
+    return [n.message for n in app._notifications if n.severity == "error"]
+
+
+# -- pure logic ------------------------------------------------------------------------------
+def test_token_labels_mark_draft_positions_and_target():
+    assert token_labels(ev([1, 2, 3, 4], "abcd", 3)) == [1, 2, 3, TARGET]
+    assert token_labels(ev([9], "x", 0)) == [TARGET]
+    assert token_labels(ev([5], "y", 0, block=1)) == [TARGET]
+
+
+def test_char_labels_exact_and_split_utf8():
+    assert char_labels("ab c", ["a", "b", " c"], [1, 2, TARGET]) == [1, 2, TARGET, TARGET]
+    # "é" split over two byte tokens: each decodes to U+FFFD alone
+    out = char_labels("xé", ["x", "\ufffd", "\ufffd"], [1, 2, TARGET])
+    assert out == [1, TARGET]
+    assert char_labels("", [], []) == []
+
+
+def test_sanitize_keeps_length_and_newlines():
+    raw = "a\x1b[31mb\tc\nd\x7f\r\x85"
+    clean = sanitize(raw)
+    assert len(clean) == len(raw)
+    assert "\x1b" not in clean and "\x7f" not in clean and "\r" not in clean
+    assert "\n" in clean and "\t" in clean
+
+
+def test_think_splitter_handles_tags_split_across_rounds():
+    sp = ThinkSplitter()
+    out = []
+    for piece in ["<thi", "nk>I reason", " here</th", "ink>The answer"]:
+        out += sp.feed(piece, [1] * len(piece))
+    out += sp.flush()
+    thinking = "".join(t for c, t, _ in out if c == "thinking")
+    answer = "".join(t for c, t, _ in out if c == "answer")
+    assert thinking == "I reason here"
+    assert answer == "The answer"
+    assert all(len(t) == len(labels) for _, t, labels in out)
+
+
+def test_think_splitter_ignores_open_tag_inside_the_answer():
+    sp = ThinkSplitter()
+    out = sp.feed("Use <think> tags", [0] * 16) + sp.flush()
+    assert [(c, t) for c, t, _ in out] == [("answer", "Use <think> tags")]
+
+
+def test_turn_keeps_separate_stats_for_thinking_and_answer():
+    turn = Turn("q", decode=lambda t: chr(t))
+    events = [ev([ord(c) for c in "<think>"], "<think>", 4, n=7),
+              ev([ord(c) for c in "hmm"], "hmm", 2, n=10),
+              ev([ord(c) for c in "</think>"], "</think>", 4, n=18),
+              ev([ord(c) for c in "Yes!"], "Yes!", 3, finish="stop", n=22)]
+    turn.add(events)
+    turn.finish()
+    assert turn.text == {"thinking": "hmm", "answer": "Yes!"}
+    # rounds of tag tokens belong to the thinking section
+    assert turn.stats["thinking"].rounds == 3 and turn.stats["answer"].rounds == 1
+    assert turn.total.rounds == 4 and turn.total.tokens == 22
+    assert [b["channel"] for b in turn.blocks] == ["thinking"] * 3 + ["answer"]
+    assert turn.to_dict()["stats"]["answer"]["generation_tokens"] == 4
+    assert turn.stats["answer"].acceptance_rates == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_align_spans_follows_markdown_syntax():
+    source = "Hi **bold** `x`"
+    labels = [1, 1, 2, 0, 0, 3, 3, 3, 3, 0, 0, 2, 0, TARGET, 0]
+    spans = align_spans("Hi bold x", source, labels, 0, len(source))
+    styled = {(s.start, s.end): s.style for s in spans}
+    assert styled == {(0, 2): ".prov-d1", (2, 3): ".prov-d2", (3, 7): ".prov-d3",
+                      (7, 8): ".prov-d2", (8, 9): ".prov-t"}
+
+
+def test_panel_glyphs_and_bars():
+    assert block_glyphs(ev([1, 2, 3, 4], "", 3)) == "▮▮▮▯ 3/4 +1"
+    assert block_glyphs(ev([1, 2], "", 2)) == "▮▮▯▯ 2/4"  # cut by EOS: no target token
+    assert block_glyphs(ev([7], "", 0, block=1)) == "AR step +1"
+    assert bar(0.5, 4).plain == "██··"
+
+
+def test_describe_error_recognises_out_of_memory():
+    title, msg = describe_error(RuntimeError("[metal::malloc] Attempting to allocate 9 GB"))
+    assert title == "Out of memory" and "smaller" in msg
+    assert describe_error(ModelNotFoundError("x: no such file"))[0] == "Error"
+
+
+# -- transcripts -----------------------------------------------------------------------------
+def test_data_dir_follows_env_and_platform(monkeypatch, tmp_path):
+    assert tr.chats_dir() == tmp_path / "data" / "chats"
+    monkeypatch.delenv("DFLASH_MLX_DATA")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(tr.sys, "platform", "linux")
+    assert tr.data_dir() == tmp_path / "xdg" / "dflash-mlx"
+    monkeypatch.setattr(tr.sys, "platform", "darwin")
+    assert tr.data_dir().parts[-3:] == ("Library", "Application Support", "dflash-mlx")
+
+
+def test_write_atomic_leaves_old_file_on_failure(tmp_path, monkeypatch):
+    path = tmp_path / "c.json"
+    tr.write_atomic(path, "old")
+
+    def boom(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(tr.os, "replace", boom)
+    with pytest.raises(OSError):
+        tr.write_atomic(path, "new")
+    assert path.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["c.json"]  # no temp file left
+
+
+# -- the app on the real tiny pair -----------------------------------------------------------
+@pytest.mark.asyncio
+async def test_send_streams_and_completes(tiny_pair):
+    app = app_for(tiny_pair)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "Hello there")
+        answer = last_answer(app)
+        turn = app.turns[-1]
+        assert turn["stats"]["all"]["generation_tokens"] == 40
+        assert turn["finish_reason"] == "length"
+        assert answer.answer.source == sanitize(app.conversation.messages[-1]["content"])
+        assert len(answer.answer.labels) == len(answer.answer.source)
+        assert app.conversation.messages[0] == {"role": "user", "content": "Hello there"}
+        assert "40 tok" in str(answer.border_subtitle)
+        assert not app.busy and not app.query_one(PromptInput).read_only
+        assert "gen 40" in str(app.query_one("#status").render())
+
+
+@pytest.mark.asyncio
+async def test_block_events_update_the_panel(tiny_pair):
+    app = app_for(tiny_pair, conversation_factory=scripted(["abcdefghijklmnop"],
+                                                          pattern=[3, 1, 4]))
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "hi")
+        lengths = [len(b["tokens"]) for b in app.turns[-1]["blocks"]]
+        assert lengths[:3] == [4, 2, 5]
+        panel = app.query_one(SpeculationPanel)
+        assert list(panel.query_one("#spark").data) == [float(x) for x in lengths]
+        last = app.turns[-1]["blocks"][-1]
+        expected = block_glyphs(BlockEvent(**{k: last[k] for k in (
+            "tokens", "text", "drafted", "accepted", "accept_flags", "draft_s", "verify_s",
+            "block_size", "prompt_tokens", "reused_tokens", "prompt_s", "generation_tokens",
+            "finish_reason")}))
+        assert expected in str(panel.query_one("#block").render())
+        positions = str(panel.query_one("#positions").render())
+        assert "pos 1" in positions and "100%" in positions  # every round accepted pos 1
+        numbers = str(panel.query_one("#numbers").render())
+        assert f"τ {sum(lengths) / len(lengths):.2f}" in numbers
+
+
+@pytest.mark.asyncio
+async def test_escape_stops_mid_stream_and_next_turn_works(tiny_pair):
+    app = app_for(tiny_pair, settings=ChatSettings(max_tokens=1500, seed=0))
+    async with app.run_test(size=SIZE) as pilot:
+        app.query_one(PromptInput).set_text("Tell me a long story")
+        await pilot.press("enter")
+        for _ in range(200):
+            await pilot.pause(0.02)
+            if app._job is not None and app._job.turn.total.rounds >= 3:
+                break
+        await pilot.press("escape")
+        await settle(pilot)
+        turn = app.turns[-1]
+        assert turn["finish_reason"] == "stopped"
+        assert 0 < turn["stats"]["all"]["generation_tokens"] < 1500
+        partial = app.conversation.messages[-1]
+        assert partial["role"] == "assistant" and partial["content"]
+        session = app.conversation.session
+        assert session.target_cache[0].offset == len(session.tokens) - 1  # caches exact
+        app.settings.max_tokens = 10
+        await send(pilot, "And then?")
+        assert app.turns[-1]["finish_reason"] == "length"
+        assert app.conversation.messages[-1]["role"] == "assistant"
+
+
+@pytest.mark.asyncio
+async def test_second_turn_prefills_only_new_tokens(tiny_pair):
+    app = app_for(tiny_pair)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "First question")
+        first = app.turns[-1]["blocks"][0]
+        cached = list(app.conversation.session.tokens)
+        await send(pilot, "Second one")
+        second = app.turns[-1]["blocks"][0]
+        ids = apply_template(tiny_pair.tokenizer, app.conversation.messages[:-1])
+        common = next(i for i, (a, b) in enumerate(zip(cached + [-1], ids)) if a != b)
+        # Everything the cache already held is reused; only the rest is prefilled. (Random
+        # bytes do not survive the text round trip, so the cache ends inside answer 1.)
+        assert second["reused_tokens"] == common >= first["prompt_tokens"] + 1
+        assert second["prompt_tokens"] == len(ids) - 1 - common
+        assert "reused" in str(app.query_one("#numbers").render())
+
+
+@pytest.mark.asyncio
+async def test_transcript_written_atomically_and_resumed(tiny_pair, data_dir, monkeypatch):
+    renames = []
+    real_replace = os.replace
+
+    def spy(src, dst):
+        renames.append((str(src), str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(tr.os, "replace", spy)
+    app = app_for(tiny_pair, conversation_factory=scripted(["**Bold** answer"]))
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "Hi")
+        await send(pilot, "Again")
+    files = sorted((data_dir / "chats").iterdir())
+    assert [p.suffix for p in files] == [".json"]
+    assert len(renames) == 2 and all(dst == str(files[0]) for _, dst in renames)
+    assert all(os.path.dirname(src) == str(files[0].parent) for src, _ in renames)
+    saved = json.loads(files[0].read_text())
+    assert [m["role"] for m in saved["messages"]] == ["user", "assistant"] * 2
+    assert saved["turns"][1]["answer"] == "**Bold** answer"
+    assert saved["turns"][0]["blocks"][0]["channel"] == "answer"
+
+    resumed = app_for(tiny_pair, conversation_factory=scripted(["ok"]), resume=True)
+    async with resumed.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        assert len(resumed.query(AssistantMessage)) == 2
+        assert last_answer(resumed).answer.source == "**Bold** answer"
+        assert resumed.conversation.messages == saved["messages"]
+        await send(pilot, "Third")
+    assert len(json.loads(files[0].read_text())["turns"]) == 3
+
+
+@pytest.mark.asyncio
+async def test_settings_screen_changes_the_block_size_used(tiny_pair):
+    app = app_for(tiny_pair)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f2")
+        await pilot.pause()
+        field = app.screen.query_one("#block-size")
+        field.value = "3"
+        field.focus()
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.settings.block_size == 3
+        await send(pilot, "hi")
+        blocks = app.turns[-1]["blocks"]
+        assert blocks[0]["block_size"] == 3 and all(b["block_size"] <= 3 for b in blocks)
+        assert all(len(b["drafted"]) == b["block_size"] - 1 for b in blocks)
+        assert "B=3" in str(app.query_one("#status").render())
+
+
+@pytest.mark.asyncio
+async def test_settings_screen_rejects_bad_values(tiny_pair):
+    app = app_for(tiny_pair)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f2")
+        await pilot.pause()
+        app.screen.query_one("#block-size").value = "99"
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert "block size" in str(app.screen.query_one("#settings-error").render())
+        await pilot.press("escape")
+        await pilot.pause()
+        assert app.settings.block_size == 5
+
+
+@pytest.mark.asyncio
+async def test_generation_error_notifies_and_restores_the_prompt(tiny_pair):
+    app = app_for(tiny_pair, conversation_factory=scripted(
+        ["never finished"], fail_after=2, error=RuntimeError("boom in round 3")))
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "Will fail")
+        assert any("boom in round 3" in m for m in errors(app))
+        assert app.query_one(PromptInput).text == "Will fail"
+        assert not app.query(AssistantMessage) and not app.query(UserMessage)
+        assert app.conversation.messages == [] and app.turns == []
+        assert not app.busy
+
+
+@pytest.mark.asyncio
+async def test_bad_model_shows_the_error_in_the_app():
+    def loader(progress):
+        progress("loading target nowhere")
+        raise ModelNotFoundError("nowhere: no such file or folder")
+
+    app = ChatApp(loader=loader, memory=lambda: 0.0)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        view = app.query_one(LoadingView)
+        assert view.has_class("-failed")
+        assert "no such file" in str(view.query_one("#loading-step").render())
+        assert any("no such file" in m for m in errors(app))
+        assert app.query_one(PromptInput).read_only  # nothing to chat with
+        await pilot.press("enter")  # still alive, no crash
+    assert app.return_code in (0, None)
+
+
+@pytest.mark.asyncio
+async def test_loader_worker_reports_progress_then_chats(tiny_pair):
+    steps = []
+
+    def loader(progress):
+        progress("loading target tiny")
+        steps.append("called")
+        return tiny_pair
+
+    app = app_for(None, loader=loader, conversation_factory=scripted(["ok"]))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        assert steps == ["called"] and not app.query(LoadingView)
+        await send(pilot, "hi")
+        assert last_answer(app).answer.source == "ok"
+
+
+@pytest.mark.asyncio
+async def test_thinking_goes_to_a_collapsible_section(tiny_pair):
+    from textual.widgets import Collapsible
+
+    app = app_for(tiny_pair, settings=ChatSettings(max_tokens=400), conversation_factory=scripted(
+        ["<think>\nLet me think about it.\n</think>\n\nThe answer is 42."]))
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "Question")
+        msg = last_answer(app)
+        assert msg.thinking.source.strip() == "Let me think about it."
+        assert msg.answer.source.strip() == "The answer is 42."
+        section = msg.query_one(Collapsible)
+        assert section.collapsed and section.title.startswith("Thinking (")
+        stats = app.turns[-1]["stats"]
+        assert stats["thinking"]["generation_tokens"] and stats["answer"]["generation_tokens"]
+        channels = [b["channel"] for b in app.turns[-1]["blocks"]]
+        assert channels == sorted(channels, reverse=True)  # thinking rounds, then answer ones
+
+
+@pytest.mark.asyncio
+async def test_regenerate_edit_and_new_chat(tiny_pair):
+    app = app_for(tiny_pair, conversation_factory=scripted(["one", "two", "three", "four"]))
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "Q1")
+        await pilot.press("ctrl+r")
+        await settle(pilot)
+        assert [m["content"] for m in app.conversation.messages] == ["Q1", "two"]
+        assert len(app.query(AssistantMessage)) == 1 and len(app.turns) == 1
+        assert last_answer(app).answer.source == "two"
+
+        await pilot.press("up")  # empty prompt: bring back the last prompt
+        assert app.query_one(PromptInput).text == "Q1"
+        app.query_one(PromptInput).set_text("Q1 edited")
+        await pilot.press("enter")
+        await settle(pilot)
+        assert [m["content"] for m in app.conversation.messages] == ["Q1 edited", "three"]
+        assert len(app.query(UserMessage)) == 1 and len(app.turns) == 1
+
+        await pilot.press("ctrl+n")
+        await pilot.pause()
+        assert app.conversation.messages == [] and not app.query(AssistantMessage)
+
+
+@pytest.mark.asyncio
+async def test_input_is_locked_while_answering(tiny_pair):
+    app = app_for(tiny_pair, conversation_factory=scripted(["slow " * 6], delay_s=0.1))
+    async with app.run_test(size=SIZE) as pilot:
+        app.query_one(PromptInput).set_text("first")
+        await pilot.press("enter")
+        await pilot.pause(0.05)
+        assert app.busy and app.query_one(PromptInput).read_only
+        await pilot.press("x", "enter")
+        assert app.query_one(PromptInput).text == ""
+        await settle(pilot)
+        assert len(app.conversation.messages) == 2
+
+
+@pytest.mark.asyncio
+async def test_provenance_toggle_and_export(tiny_pair, data_dir):
+    app = app_for(tiny_pair, conversation_factory=scripted(["Some `code` here"]))
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "hi")
+        await pilot.press("ctrl+t")
+        assert app.has_class("-no-provenance") and not app.settings.provenance
+        await pilot.press("ctrl+t")
+        assert not app.has_class("-no-provenance")
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+    chats = data_dir / "chats"
+    md = next(chats.glob("*.md")).read_text()
+    assert "## You" in md and "Some `code` here" in md
+    rows = [json.loads(x) for x in next(chats.glob("*.jsonl")).read_text().splitlines()]
+    assert rows and rows[0]["turn"] == 0 and "accepted" in rows[0]
+
+
+@pytest.mark.asyncio
+async def test_ar_baseline_gives_speedup(tiny_pair):
+    app = app_for(tiny_pair)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "hi")
+        await pilot.press("ctrl+b")
+        await settle(pilot)
+        assert app.baseline_tps and app.baseline_tps > 0
+        assert len(app.conversation.messages) == 2  # the baseline is not part of the chat
+        await send(pilot, "again")
+        numbers = str(app.query_one("#numbers").render())
+        assert "AR " in numbers and "×" in numbers
