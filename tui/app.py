@@ -150,7 +150,9 @@ class ChatApp(ChatActions, App[None]):
             await view.remove()
         s = self.settings
         if s.reasoning is not None and s.reasoning_kwarg is None:
-            s.reasoning_kwarg = detect_reasoning_kwarg(pair.tokenizer)
+            # Outside the registry: what the template reads, else the registry's fallback.
+            s.reasoning_kwarg = detect_reasoning_kwarg(pair.tokenizer) or (
+                "enable_thinking" if s.reasoning in ("on", "off") else "reasoning_effort")
         s.block_size = min(s.block_size, self.max_block_size)
         self.conversation = self.conversation_factory(
             pair, system=s.system_prompt, template_kwargs=s.template_kwargs())
@@ -185,6 +187,10 @@ class ChatApp(ChatActions, App[None]):
     async def _start(self, text: str, regenerate: bool = False) -> None:
         view = self.query_one("#chat-view", VerticalScroll)
         s = self.settings
+        session = self.conversation.session
+        if s.block_size == 1 and session is not None and session.draft_cache is not None:
+            # AR rounds give the draft no taps; a plain session keeps the draft context exact.
+            self.conversation.session = None
         if regenerate:
             events = self.conversation.regenerate(**s.gen_kwargs())
             user_widget = list(self.query(UserMessage))[-1]

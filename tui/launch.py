@@ -1,46 +1,47 @@
-"""Build the app from command-line style arguments (used by `python -m tui` and the CLI)."""
+"""Build and run the app from command-line settings (`python -m tui` and `dflash-mlx chat`).
+
+Model resolution is the CLI's own (`registry.resolve` → `prepare.open_pair` →
+`prepare.choose_block`), run inside the app's loading worker so a bad model or a failed
+download shows up in the app, not as a traceback.
+"""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
-from .settings import DEFAULT_MAX_TOKENS, ChatSettings
+from .settings import ChatSettings
 
 
-def default_loader(model: str | None, draft: str | None, *, draft_bits: int = 4,
-                   weights: str = "auto") -> Callable:
-    """A loader for the app's worker: `--model/--draft`, or the embedded demo pair."""
+def registry_loader(settings: ChatSettings, *, model: str | None = None,
+                    draft: str | None = None, no_draft: bool = False, draft_bits: int = 4,
+                    weights: str = "auto", block_size: int | str = 5) -> Callable:
+    """A loader for the app's worker; it also settles block size and reasoning in `settings`.
+
+    Args:
+        block_size: a size, or "auto" (from the measured verify cost, as in `generate`).
+    """
 
     def loader(progress):
-        from dflash_mlx import load
+        from dflash_mlx import prepare, registry
 
-        if model is None:
-            from dflash_mlx.registry import default_pair
-
-            return default_pair(progress=progress)
-        return load(model, draft, draft_bits=draft_bits, weights=weights, progress=progress)
+        spec = registry.resolve(model, draft, no_draft)
+        registry.reasoning_kwargs(spec.entry, settings.reasoning)  # checks the level
+        pair, loaded = prepare.open_pair(spec, draft_bits, weights, progress)
+        settings.block_size = prepare.choose_block(pair, loaded, block_size, progress)
+        entry = spec.entry
+        if entry is not None and entry.reasoning_kwarg:
+            settings.reasoning_kwarg = entry.reasoning_kwarg
+            settings.reasoning = settings.reasoning or entry.reasoning_default
+        return pair
 
     return loader
 
 
-def run_chat(*, model: str | None = None, draft: str | None = None,
-             loader: Callable | None = None, block_size: int = 5, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, max_tokens: int | None = None,
-             reasoning: str | None = None, reasoning_kwarg: str | None = None,
-             system_prompt: str | None = None, resume: bool = False, draft_bits: int = 4,
-             weights: str = "auto", baseline_tps: float | None = None) -> int:
-    """Run the chat app until the user quits; returns an exit code."""
+def run_chat(settings: ChatSettings, loader: Callable, *, resume: bool = False,
+             baseline_tps: float | None = None) -> int:
+    """Run the chat app until the user quits; returns its exit code."""
     from .app import ChatApp
 
-    settings = ChatSettings(block_size=block_size, temperature=temperature, top_p=top_p,
-                            top_k=top_k, max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
-                            reasoning=reasoning, reasoning_kwarg=reasoning_kwarg,
-                            system_prompt=system_prompt)
-    if loader is None:
-        loader = default_loader(model, draft, draft_bits=draft_bits, weights=weights)
     app = ChatApp(loader=loader, settings=settings, resume=resume, baseline_tps=baseline_tps)
     app.run()
-    if app.return_code:
-        print("dflash-mlx chat: the app stopped with an error", file=sys.stderr)
     return app.return_code or 0
