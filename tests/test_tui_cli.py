@@ -1,0 +1,73 @@
+"""`dflash-mlx chat` and `python -m tui`: option checks, and the loader they hand to the app."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash_mlx import cli
+from dflash_mlx.errors import ModelNotFoundError
+from dflash_mlx.tiny import make_draft, make_target
+from tui import __main__ as tui_main
+from tui import launch
+from tui.settings import ChatSettings
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def tiny_paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat-cli")
+    return make_target(root / "target"), make_draft(root / "draft")
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """Replace the app run with a recorder of what it would have been given."""
+    calls = {}
+
+    def fake_run(settings, loader, *, resume=False, baseline_tps=None):
+        calls.update(settings=settings, loader=loader, resume=resume)
+        return 0
+
+    monkeypatch.setattr(launch, "run_chat", fake_run)
+    monkeypatch.setattr(tui_main, "run_chat", fake_run)
+    return calls
+
+
+def test_chat_rejects_bad_options_in_one_line():
+    result = runner.invoke(cli.app, ["chat", "--temp", "-1"])
+    assert result.exit_code == 2
+    assert "temperature" in result.output and "Traceback" not in result.output
+    result = runner.invoke(cli.app, ["chat", "--block-size", "1"])
+    assert result.exit_code == 2 and "--no-draft" in result.output
+
+
+def test_chat_hands_settings_and_a_working_loader_to_the_app(captured, tiny_paths):
+    target, draft = tiny_paths
+    result = runner.invoke(cli.app, ["chat", "--model", str(target), "--draft", str(draft),
+                                     "--block-size", "3", "--temp", "0.5", "--top-k", "7",
+                                     "--system-prompt", "Be brief.", "--resume"])
+    assert result.exit_code == 0, result.output
+    s = captured["settings"]
+    assert (s.block_size, s.temperature, s.top_k, s.system_prompt) == (3, 0.5, 7, "Be brief.")
+    assert captured["resume"] is True
+    steps = []
+    pair = captured["loader"](steps.append)
+    assert pair.draft is not None and s.block_size == 3
+
+
+def test_python_m_tui_parses_the_same_options(captured, tiny_paths):
+    target, draft = tiny_paths
+    assert tui_main.main(["--model", str(target), "--draft", str(draft), "--block-size", "4",
+                          "--max-tokens", "99"]) == 0
+    s = captured["settings"]
+    assert (s.block_size, s.max_tokens) == (4, 99)
+    captured["loader"](lambda msg: None)
+    assert s.block_size == 4
+
+
+def test_loader_raises_typed_errors_for_the_app_to_show(tmp_path):
+    loader = launch.registry_loader(ChatSettings(), model=str(tmp_path / "nope"))
+    with pytest.raises(ModelNotFoundError):
+        loader(lambda msg: None)
