@@ -145,7 +145,7 @@ def generate(
         from .bench import check_parity as run_parity
 
         parity = run_parity(pair, ids, tokens, max_tokens)
-        _report_parity(pair, parity)
+        render.parity(pair, parity)
     if writer:
         from .doctor import versions
 
@@ -181,7 +181,7 @@ def _stream(pair, ids, block, sampling, writer, verbose):
             if writer:
                 writer.block(i, ev)
             if verbose:
-                render.err.print(render.block_line(i, ev), soft_wrap=True, markup=False)
+                out.side_note(render.block_line(i, ev))
     except KeyboardInterrupt:
         gen.close()  # the engine's finally blocks leave the caches exact
         interrupted = True
@@ -190,24 +190,6 @@ def _stream(pair, ids, block, sampling, writer, verbose):
     if interrupted:
         render.note(f"interrupted after {stats.tokens} tokens")
     return stats, tokens, interrupted, mx.get_peak_memory() / 1e9
-
-
-def _report_parity(pair, p) -> None:
-    def tok(t):
-        return f"{t} {pair.tokenizer.decode([t])!r}"
-
-    if p.verdict == "match":
-        render.err.print(f"Parity: DFlash output equals AR greedy ({p.compared} tokens).")
-        return
-    if p.margin is None:
-        render.error(f"parity: one output stops early at token {p.index}: mismatch")
-        return
-    kind = ("near-tie (batched verification may flip it; not a bug)" if p.verdict == "near-tie"
-            else "REAL MISMATCH")
-    render.err.print(
-        f"Parity: first divergence at token {p.index}: DFlash {tok(p.dflash_token)} vs AR "
-        f"{tok(p.ar_token)}; target logit margin {p.margin:+.4g} (near-tie below "
-        f"{p.threshold:g} for {pair.weights} weights) → {kind}", soft_wrap=True, markup=False)
 
 
 @app.command()
@@ -238,6 +220,7 @@ def models(
 def doctor(
     model: ModelOpt = None,
     draft: DraftOpt = None,
+    no_draft: NoDraftOpt = False,
     draft_bits: DraftBitsOpt = 4,
     weights: WeightsOpt = "auto",
     shape: Annotated[str, typer.Option(
@@ -245,7 +228,7 @@ def doctor(
         "target's; qwen3-0.6b; tiny).")] = "smollm2-135m",
     tau: Annotated[float, typer.Option(
         help="Acceptance length τ you expect at block 5, for the recommendation.")] = 3.0,
-    repeats: Annotated[int, typer.Option(help="Timed rounds per width (median kept).")] = 3,
+    repeats: Annotated[int, typer.Option(help="Timed rounds per width (fastest kept).")] = 5,
     context: Annotated[int, typer.Option(help="Tokens in the cache while timing.")] = 256,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ):
@@ -256,18 +239,22 @@ def doctor(
         raise InvalidArgumentError(f"--shape must be one of {', '.join(doc.SHAPES)}, got {shape!r}")
     if repeats < 1 or context < 1:
         raise InvalidArgumentError("--repeats and --context must be at least 1")
+    if not 1 <= tau <= doc.TAU_BLOCK:
+        raise InvalidArgumentError(f"--tau is τ at block {doc.TAU_BLOCK}: between 1 and "
+                                   f"{doc.TAU_BLOCK}, got {tau:g}")
     from . import prepare
 
     prepare.check_load_options(draft_bits, weights)
     say = None if as_json else render.note
     report = {"versions": doc.versions(), "machine": doc.machine(), "blas": doc.blas_report()}
     if say:
-        _print_machine(report)
+        render.machine(report)
     if model is not None:
         from .registry import resolve
 
-        pair, loaded = prepare.open_pair(resolve(model, draft), draft_bits, weights, say)
-        key, subject = loaded.cost_key(), f"{loaded.spec.target} + {loaded.spec.draft}"
+        pair, loaded = prepare.open_pair(resolve(model, draft, no_draft), draft_bits, weights, say)
+        key = loaded.cost_key()
+        subject = f"{loaded.spec.target} + {loaded.spec.draft or 'no draft (draft cost left out)'}"
     else:
         pair = doc.synthetic_pair(shape, weights)
         key = doc.model_key(f"synthetic:{shape}", None, pair.weights, "synthetic-draft", 4)
@@ -277,7 +264,7 @@ def doctor(
         say(f"measuring verify cost on {subject} (widths 1..8, {repeats} rounds)...")
     curve = doc.measure(pair, context=context, repeats=repeats)
     doc.store(key, curve)
-    rows = doc.plan(curve, tau, max_block=pair.draft.config.block_size)
+    rows = doc.plan(curve, tau, max_block=pair.draft.config.block_size if pair.draft else None)
     best = doc.recommend(rows)
     report.update(subject=subject, curve=asdict(curve), tau=tau,
                   plan=[asdict(r) for r in rows], recommended_block_size=best.block_size)
@@ -297,26 +284,6 @@ def doctor(
     render.out.print(f"Recommended block size: [bold]{best.block_size}[/] "
                      f"(predicted {best.speedup:.2f}× at τ {tau:g}@5; {verdict}). "
                      f"Cached for `--block-size auto` in {doc.cache_file()}", soft_wrap=True)
-
-
-def _print_machine(report: dict) -> None:
-    v, m, b = report["versions"], report["machine"], report["blas"]
-    lines = [
-        f"MLX {v['mlx']} (mlx-lm {v['mlx-lm']}, dflash-mlx {v['dflash-mlx']}, Python {v['python']})",
-        f"Device: {m['device']}; {m['cpu_count']} CPU cores; {m['system']} {m['arch']}",
-        f"Memory: {m.get('available_gb')} GB free of {m.get('total_gb')} GB",
-        f"CPU BLAS: {b['active']}" + (f" ({b['library']})" if b.get("library") else "")
-        + f"; float32 sgemm {'x'.join(map(str, b['shape']))}: {b['sgemm_ms']:.1f} ms "
-        f"({b['gflops']:.1f} GFLOP/s)",
-    ]
-    other = b.get("other")
-    if other:
-        lines.append(f"  with {other['active']} instead: {other['sgemm_ms']:.1f} ms "
-                     f"({other['sgemm_ms'] / b['sgemm_ms']:.1f}× the time)")
-    if b.get("hint"):
-        lines.append(f"  hint: {b['hint']}")
-    for line in lines:
-        render.out.print(line, soft_wrap=True, markup=False)
 
 
 @app.command()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -140,6 +139,7 @@ def machine() -> dict:
         "cpu_count": os.cpu_count(),
         "device": device(),
         "blas": blas.status()["active"],
+        "load_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         **{k: round(v, 1) if isinstance(v, float) else v for k, v in memory_gb().items()},
     }
 
@@ -207,7 +207,7 @@ def measure(pair: Pair, widths=WIDTHS, context: int = 256, repeats: int = 5,
     """Time one target pass at each width (and one draft pass) after `context` cached tokens.
 
     Widths are interleaved within each repeat so machine drift hits all of them alike; the
-    median of `repeats` is kept after one warm-up round.
+    fastest of `repeats` is kept after one warm-up round (interference only adds time).
     """
     say = progress or (lambda _m: None)
     tgt, draft = pair.target, pair.draft
@@ -244,11 +244,11 @@ def measure(pair: Pair, widths=WIDTHS, context: int = 256, repeats: int = 5,
                 c.trim(w)
             if r:
                 t_draft[w].append(elapsed)
-    step = statistics.median(t_verify[widths[0]])
+    step = min(t_verify[widths[0]])
     return CostCurve(
         widths=list(widths),
-        verify=[round(statistics.median(t_verify[w]) / step, 4) for w in widths],
-        draft=[round(statistics.median(t_draft[w]) / step, 4) if t_draft[w] else None for w in widths],
+        verify=[round(min(t_verify[w]) / step, 4) for w in widths],
+        draft=[round(min(t_draft[w]) / step, 4) if t_draft[w] else None for w in widths],
         step_ms=round(step * 1e3, 3),
         context=context,
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),

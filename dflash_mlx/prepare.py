@@ -31,9 +31,11 @@ class Loaded:
 
     def models(self) -> dict:
         return {
-            "target": {"id": self.spec.target, "revision": self.target_revision},
+            "target": {"id": self.spec.target, "revision": self.target_revision,
+                       "path": str(self.target_path.resolve())},
             "draft": None if self.spec.draft is None else
-            {"id": self.spec.draft, "revision": self.draft_revision, "bits": self.draft_bits},
+            {"id": self.spec.draft, "revision": self.draft_revision, "bits": self.draft_bits,
+             "path": str(self.draft_path.resolve())},
             "registry_name": self.spec.entry.name if self.spec.entry else None,
             "weights": self.weights,
         }

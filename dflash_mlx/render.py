@@ -56,6 +56,14 @@ class TextStream:
         if self.last != "\n":
             self.write("\n")
 
+    def side_note(self, line: str) -> None:
+        """A stderr line between text blocks; on a shared terminal, start it on a new line."""
+        shared = sys.stdout.isatty() and sys.stderr.isatty()
+        err.print(("\n" if shared and self.last != "\n" else "") + line, soft_wrap=True,
+                  markup=False)
+        if shared:
+            self.last = "\n"
+
 
 def block_line(index: int, ev) -> str:
     """`--verbose`: one line per verify round."""
@@ -105,6 +113,50 @@ class EventsWriter:
 
     def close(self) -> None:
         self.f.close()
+
+
+def parity(pair, p) -> None:
+    """`--check-parity`: the verdict on stderr."""
+
+    def tok(t):
+        return f"{t} {pair.tokenizer.decode([t])!r}"
+
+    if p.verdict == "match":
+        err.print(f"Parity: DFlash output equals AR greedy ({p.compared} tokens).")
+        return
+    if p.margin is None:
+        error(f"parity: one output stops early at token {p.index}: mismatch")
+        return
+    kind = ("near-tie (batched verification may flip it; not a bug)" if p.verdict == "near-tie"
+            else "REAL MISMATCH")
+    err.print(
+        f"Parity: first divergence at token {p.index}: DFlash {tok(p.dflash_token)} vs AR "
+        f"{tok(p.ar_token)}; target logit margin {p.margin:+.4g} (near-tie below "
+        f"{p.threshold:g} for {pair.weights} weights) → {kind}", soft_wrap=True, markup=False)
+
+
+def machine(report: dict) -> None:
+    """`doctor`: versions, device, memory, BLAS (stdout)."""
+    v, m, b = report["versions"], report["machine"], report["blas"]
+    lines = [
+        f"MLX {v['mlx']} (mlx-lm {v['mlx-lm']}, dflash-mlx {v['dflash-mlx']}, Python {v['python']})",
+        f"Device: {m['device']}; {m['cpu_count']} CPU cores; {m['system']} {m['arch']}",
+        f"Memory: {m.get('available_gb')} GB free of {m.get('total_gb')} GB",
+        f"CPU BLAS: {b['active']}" + (f" ({b['library']})" if b.get("library") else "")
+        + f"; float32 sgemm {'x'.join(map(str, b['shape']))}: {b['sgemm_ms']:.1f} ms "
+        f"({b['gflops']:.1f} GFLOP/s)",
+    ]
+    other = b.get("other")
+    if other:
+        lines.append(f"  with {other['active']} instead: {other['sgemm_ms']:.1f} ms "
+                     f"({other['sgemm_ms'] / b['sgemm_ms']:.1f}× the time)")
+    if b.get("hint"):
+        lines.append(f"  hint: {b['hint']}")
+    if (m.get("load_1min") or 0) > (m["cpu_count"] or 1):
+        lines.append(f"Warning: this machine is busy (load {m['load_1min']} on {m['cpu_count']} "
+                     "cores); timings below are noisy")
+    for line in lines:
+        out.print(line, soft_wrap=True, markup=False)
 
 
 def _gb(x: float | None) -> str:

@@ -84,6 +84,18 @@ def test_same_output_with_and_without_speculation(tiny):
                                    "--max-tokens", 2).stderr
 
 
+def test_system_prompt_and_raw_prompt(tiny, tmp_path):
+    counts = {}
+    for name, extra in (("chat", []), ("system", ["--system-prompt", "Be brief."]),
+                        ("raw", ["--no-chat-template"])):
+        path = tmp_path / f"{name}.jsonl"
+        r = gen(tiny, "Hi", "--max-tokens", 2, "--quiet", "--events", path, *extra)
+        assert r.exit_code == 0, r.output
+        counts[name] = json.loads(path.read_text().splitlines()[-1])["prompt_ids"]
+    # ChatML wraps "Hi" (2 bytes) in 19 tokens; the system turn adds its own; raw is 2 bytes
+    assert counts["raw"] == 2 and counts["chat"] > 2 and counts["system"] > counts["chat"] + 9
+
+
 def test_events_jsonl_schema(tiny, tmp_path):
     path = tmp_path / "ev.jsonl"
     r = gen(tiny, "Hello", "--max-tokens", 10, "--block-size", 3, "--seed", 7, "--events", path)
@@ -104,7 +116,8 @@ def test_events_jsonl_schema(tiny, tmp_path):
                 "peak_memory_gb", "interrupted", "weights"):
         assert key in summary, key
     assert summary["versions"]["mlx"] and summary["versions"]["dflash-mlx"]
-    assert summary["target"] == {"id": str(tiny.target), "revision": None}
+    assert summary["target"] == {"id": str(tiny.target), "revision": None,
+                                 "path": str(tiny.target.resolve())}
     assert summary["draft"]["bits"] == 4 and summary["block_size"] == 3
     assert summary["sampling"] == {"max_tokens": 10, "temperature": 0.0, "top_p": 1.0,
                                    "top_k": 0, "seed": 7}

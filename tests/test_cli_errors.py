@@ -68,6 +68,7 @@ ERRORS = [
     ("bench-block-above-trained", "benchmark --model {target} --draft {draft} --block-size 3,16 "
      "--num-prompts 1", None, "above the draft's trained block size 8"),
     ("doctor-unknown-shape", "doctor --shape huge", None, "--shape must be one of"),
+    ("doctor-tau-out-of-range", "doctor --tau 7", None, "--tau is τ at block 5"),
 ]
 
 
