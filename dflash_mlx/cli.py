@@ -87,7 +87,7 @@ NoTemplateOpt = Annotated[bool, typer.Option(
 
 
 def _say(quiet: bool):
-    return None if quiet else render.note
+    return None if quiet else render.progress
 
 
 @app.command()
@@ -134,7 +134,7 @@ def generate(
     template_kwargs = registry.reasoning_kwargs(spec.entry, reasoning)
     writer = render.EventsWriter(events) if events else None
     pair, loaded = prepare.open_pair(spec, draft_bits, weights, _say(quiet))
-    block = prepare.choose_block(pair, loaded, requested, _say(quiet))
+    block = prepare.choose_block(pair, loaded, requested, None if quiet else render.note)
     ids = prepare.prompt_ids(pair, text, system_prompt, template_kwargs, not no_chat_template)
     stats, tokens, interrupted, peak = _stream(pair, ids, block, sampling, writer, verbose)
     if not quiet:
@@ -245,7 +245,7 @@ def doctor(
     from . import prepare
 
     prepare.check_load_options(draft_bits, weights)
-    say = None if as_json else render.note
+    say = None if as_json else render.progress
     report = {"versions": doc.versions(), "machine": doc.machine(), "blas": doc.blas_report()}
     if say:
         render.machine(report)
@@ -325,7 +325,7 @@ def benchmark(
     for name in names:
         metas[name], items = bench.load_prompts(name)
         sets[name] = items[:num_prompts]
-    pair, loaded = prepare.open_pair(spec, draft_bits, weights, render.note)
+    pair, loaded = prepare.open_pair(spec, draft_bits, weights, render.progress)
     for b in blocks:
         prepare.check_block_size(pair, b)
     encode = prepare.encoder(pair, template_kwargs)

@@ -122,7 +122,6 @@ def open_pair(spec: registry.Spec, draft_bits: int, weights: str, say: Say = Non
     Returns (pair, Loaded).
     """
     from .load import DRAFT_PATTERNS, MODEL_PATTERNS, load, resolve
-    from .render import loading
 
     check_load_options(draft_bits, weights)
     if say and spec.entry and spec.entry.missing:
@@ -134,8 +133,7 @@ def open_pair(spec: registry.Spec, draft_bits: int, weights: str, say: Say = Non
     d_path = None
     if spec.draft is not None:
         d_path = resolve(spec.draft, DRAFT_PATTERNS, spec.draft_revision, progress=bars)
-    with loading(bars) as status:
-        pair = load(t_path, d_path, draft_bits=draft_bits, weights=weights, progress=status)
+    pair = load(t_path, d_path, draft_bits=draft_bits, weights=weights, progress=say)
     loaded = Loaded(
         spec, t_path, d_path,
         spec.target_revision or registry.snapshot_revision(t_path),
@@ -152,7 +150,7 @@ def choose_block(pair, loaded: Loaded, requested: int | str, say: Say = None) ->
     if requested == "auto":
         from .doctor import auto_block_size
 
-        best, hit = auto_block_size(pair, loaded.cost_key(), progress=say)
+        best, hit = auto_block_size(pair, loaded.cost_key())
         if say:
             how = "cached measurement" if hit else "measured now, cached"
             say(f"--block-size auto → {best.block_size} (break-even τ {best.break_even:.2f}, "

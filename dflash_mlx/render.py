@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import sys
-from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -30,14 +29,10 @@ def note(msg: str) -> None:
     err.print(f"[dim]{escape(msg)}[/]", soft_wrap=True)
 
 
-@contextmanager
-def loading(show: bool = True):
-    """A transient status line for load steps (drawn only on a terminal); yields `say`."""
-    if not show:
-        yield None
-        return
-    with err.status("loading") as status:
-        yield lambda msg: status.update(escape(msg))
+def progress(msg: str) -> None:
+    """Load and download steps: a dim line on a terminal, nothing in logs and pipes."""
+    if err.is_terminal:
+        note(msg)
 
 
 class TextStream:
