@@ -125,7 +125,6 @@ def generate(
     from . import prepare, registry
 
     sampling = prepare.check_sampling(max_tokens, temp, top_p, top_k, seed)
-    prepare.check_load_options(draft_bits, weights)
     (requested,) = [1] if no_draft else prepare.parse_block_sizes(block_size, allow_list=False)
     if check_parity and temp > 0:
         raise InvalidArgumentError("--check-parity compares greedy outputs: use it with --temp 0")
@@ -312,7 +311,6 @@ def benchmark(
     from .doctor import machine, versions
 
     sampling = prepare.check_sampling(max_tokens, temp, top_p, top_k, seed)
-    prepare.check_load_options(draft_bits, weights)
     spec = registry.resolve(model, draft)
     template_kwargs = registry.reasoning_kwargs(spec.entry, reasoning)
     blocks = prepare.parse_block_sizes(block_size, allow_auto=False)
@@ -320,7 +318,7 @@ def benchmark(
         raise InvalidArgumentError("--num-prompts and --repeats must be at least 1")
     names = bench.parse_datasets(dataset)
     if out is not None:
-        render.EventsWriter(out).close()  # fail now, not after the run, on an unwritable path
+        render.EventsWriter(out, "--out").close()  # fail now, not after the run
     sets, metas = {}, {}
     for name in names:
         metas[name], items = bench.load_prompts(name)

@@ -89,12 +89,12 @@ def stats_lines(stats, peak_gb: float, block_size: int) -> list[str]:
 class EventsWriter:
     """`--events FILE.jsonl`: one object per block, then one summary object."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, flag: str = "--events"):
         self.path = Path(path)
         try:
             self.f = open(self.path, "w", encoding="utf-8")
         except OSError as e:
-            raise InvalidArgumentError(f"--events {path}: cannot write ({e.strerror})") from None
+            raise InvalidArgumentError(f"{flag} {path}: cannot write ({e.strerror})") from None
 
     def block(self, index: int, ev) -> None:
         self._write({"type": "block", "index": index, **asdict(ev)})

@@ -67,6 +67,8 @@ ERRORS = [
      "unknown dataset 'squad'"),
     ("bench-block-above-trained", "benchmark --model {target} --draft {draft} --block-size 3,16 "
      "--num-prompts 1", None, "above the draft's trained block size 8"),
+    ("bench-unwritable-out", "benchmark --model {target} --draft {draft} --out /no/dir/c.json",
+     None, "--out /no/dir/c.json: cannot write"),
     ("doctor-unknown-shape", "doctor --shape huge", None, "--shape must be one of"),
     ("doctor-tau-out-of-range", "doctor --tau 7", None, "--tau is τ at block 5"),
 ]
