@@ -173,7 +173,10 @@ def _parse(raw: dict[str, Any]) -> DraftConfig:
             f"draft config: num_attention_heads {n_heads} is not a multiple of "
             f"num_key_value_heads {n_kv}"
         )
-    vocab = _positive("vocab_size", _need(raw, "vocab_size"))
+    if arch == "MuseGlimmerAssistantModel" and raw.get("vocab_size") is None:
+        vocab = 202048  # Meta's head omits it; its target's vocabulary (reference §5.3)
+    else:
+        vocab = _positive("vocab_size", _need(raw, "vocab_size"))
 
     n_target = raw.get("num_target_layers")
     ids = pick("target_layer_ids")

@@ -128,7 +128,7 @@ def load_draft(path: str | os.PathLike, draft_bits: int = 16,
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        msg = str(e).splitlines()[0]
+        msg = " ".join(str(e).split())  # MLX puts the tensor names on later lines
         raise CheckpointError(f"{folder}: weights do not match the draft config ({msg})") from None
     if draft_bits not in DRAFT_BITS:
         raise CheckpointError(f"draft bits must be one of {DRAFT_BITS}, got {draft_bits}")
