@@ -35,7 +35,9 @@ from .widgets.panel import SpeculationPanel
 from .widgets.prompt import PromptInput
 from .widgets.status import StatusBar
 
-REFRESH_S = 0.1  # UI refresh period while answering (the engine never waits for it)
+# While answering, the UI refreshes every REFRESH_S seconds, slower if drawing costs more than
+# UI_BUDGET of one core: drawing shares the GIL with the generation thread.
+REFRESH_S, MAX_REFRESH_S, UI_BUDGET = 0.1, 0.5, 0.04
 HISTORY = 48  # τ samples in the sparkline
 Loader = Callable[[Callable[[str], None]], object]
 
@@ -115,7 +117,6 @@ class ChatApp(ChatActions, App[None]):
     async def on_mount(self) -> None:
         self.query_one("#chat-view").anchor()
         self.set_class(not self.settings.provenance, "-no-provenance")
-        self._ticker = self.set_interval(REFRESH_S, self._drain, pause=True)
         self.query_one(PromptInput).read_only = True
         if self.pair is not None:
             await self._pair_ready(self.pair)
@@ -208,7 +209,8 @@ class ChatApp(ChatActions, App[None]):
         turn = Turn(user=text, decode=self._decode, thinking=self._opens_thinking(msgs))
         self._job = _Job(turn, events, widget, user_widget, s.block_size)
         self.busy = True
-        self._ticker.resume()
+        self._refresh_s, self._cpu_mark = REFRESH_S, time.thread_time()
+        self.set_timer(self._refresh_s, self._tick)
         self._generate(self._job)
 
     @work(thread=True, exclusive=True, group="generate", exit_on_error=False)
@@ -232,6 +234,18 @@ class ChatApp(ChatActions, App[None]):
         except RuntimeError:
             pass  # the app is closing
 
+    async def _tick(self) -> None:
+        """Refresh, then schedule the next refresh after the UI's own CPU cost allows."""
+        job = self._job
+        if job is None:
+            return
+        await self._drain()
+        cpu = time.thread_time()  # this (UI) thread only: drawing since the last tick
+        used, self._cpu_mark = cpu - self._cpu_mark, cpu
+        self._refresh_s = min(MAX_REFRESH_S, max(REFRESH_S, used / UI_BUDGET))
+        if self._job is job:
+            self.set_timer(self._refresh_s, self._tick)
+
     async def _drain(self) -> None:
         """Render everything the worker produced since the last refresh."""
         job = self._job
@@ -246,7 +260,6 @@ class ChatApp(ChatActions, App[None]):
         self._show_turn(job.turn, job.block_size)
 
     async def _end_turn(self, job: _Job, stopped: bool, error: Exception | None) -> None:
-        self._ticker.pause()
         await self._drain()
         for channel, text, labels in job.turn.finish(stopped):
             await job.widget.write(channel, text, labels)
@@ -292,7 +305,7 @@ class ChatApp(ChatActions, App[None]):
         name = (lambda x: Path(str(x)).name if x else None)
         stats = self._shown[0].total if self._shown else None
         self.query_one(StatusBar).show(
-            model=name(getattr(pair, "target_id", None)) or "loading…",
+            model=name(getattr(pair, "target_id", None)) or "no model yet",
             draft=name(getattr(pair, "draft_id", None)), settings=self.settings,
             prompt_tokens=stats.prompt_tokens if stats else 0,
             reused_tokens=stats.reused_tokens if stats else 0,
@@ -300,8 +313,9 @@ class ChatApp(ChatActions, App[None]):
             peak_memory=self.memory() if pair is not None else None, state=state)
 
     def watch_busy(self, busy: bool) -> None:
-        self.query_one(PromptInput).read_only = busy or self.conversation is None
-        self.set_class(busy, "-busy")
+        prompt = self.query_one(PromptInput)
+        prompt.read_only = busy or self.conversation is None
+        prompt.set_class(busy, "-busy")
         self.refresh_bindings()
 
     def check_action(self, action: str, parameters) -> bool | None:

@@ -175,9 +175,7 @@ class Turn:
             self.stats[channel].add(ev)
             self.total.add(ev)
             self.last = ev
-            record = dataclasses.asdict(ev)
-            record["channel"] = channel
-            self.blocks.append(record)
+            self.blocks.append({**vars(ev), "channel": channel})
             for run in runs:
                 self.text[run[0]] += run[1]
                 if out and out[-1][0] == run[0]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from textual import events
 from textual.app import ComposeResult
 from textual.containers import Vertical
-from textual.widgets import Label, LoadingIndicator, Static
+from textual.widgets import LoadingIndicator, Static
 
 
 class LoadingView(Vertical):
@@ -15,12 +15,12 @@ class LoadingView(Vertical):
 
     def compose(self) -> ComposeResult:
         yield LoadingIndicator()
-        yield Label("Loading model…", id="loading-step")
+        yield Static("Loading model…", id="loading-step")
         yield Static("", id="loading-detail")
 
     def progress(self, message: str) -> None:
         """A step reported by the loader ("loading target …")."""
-        self.query_one("#loading-step", Label).update(message)
+        self.query_one("#loading-step", Static).update(message)
 
     def on_print(self, event: events.Print) -> None:
         # Download bars redraw with "\r": keep the last non-empty piece.
@@ -34,5 +34,5 @@ class LoadingView(Vertical):
         self.add_class("-failed")
         self.border_title = title
         self.query_one(LoadingIndicator).display = False
-        self.query_one("#loading-step", Label).update(message)
+        self.query_one("#loading-step", Static).update(message)
         self.query_one("#loading-detail", Static).update("Press ctrl+q to quit.")
