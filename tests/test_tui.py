@@ -475,3 +475,22 @@ async def test_ar_baseline_gives_speedup(tiny_pair):
         await send(pilot, "again")
         numbers = str(app.query_one("#numbers").render())
         assert "AR " in numbers and "×" in numbers
+
+
+@pytest.mark.asyncio
+async def test_panel_warns_when_tau_stays_below_break_even(tiny_pair):
+    # Scripted rounds cost 8 ms; at an AR baseline of 1000 tok/s break-even τ is 8.
+    slow = app_for(tiny_pair, baseline_tps=1000.0,
+                   conversation_factory=scripted(["x" * 30], pattern=[0]))
+    async with slow.run_test(size=SIZE) as pilot:
+        await send(pilot, "hi")
+        panel = slow.query_one(SpeculationPanel)
+        assert panel.has_class("-warning")
+        assert "break-even 8.00" in str(panel.query_one("#warning").render())
+    fast = app_for(tiny_pair, baseline_tps=100.0,
+                   conversation_factory=scripted(["x" * 30], pattern=[4]))
+    async with fast.run_test(size=SIZE) as pilot:
+        await send(pilot, "hi")
+        panel = fast.query_one(SpeculationPanel)
+        assert not panel.has_class("-warning")
+        assert "×" in str(panel.query_one("#numbers").render())
