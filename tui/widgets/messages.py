@@ -27,6 +27,7 @@ class AssistantMessage(Vertical):
         super().__init__(**kwargs)
         self.thinking: ProvenanceMarkdown | None = None
         self.answer = ProvenanceMarkdown(classes="answer")
+        self._answer_started = False
 
     def compose(self) -> ComposeResult:
         yield self.answer
@@ -40,8 +41,9 @@ class AssistantMessage(Vertical):
                 await self.mount(section, before=self.answer)
             await self.thinking.write(text, labels)
         else:
-            if self.thinking is not None and text.strip() and not self.answer.source:
-                self.query_one(Collapsible).collapsed = True
+            if self.thinking is not None and text.strip() and not self._answer_started:
+                self.query_one(Collapsible).collapsed = True  # fold the thinking away
+            self._answer_started = self._answer_started or bool(text.strip())
             await self.answer.write(text, labels)
 
     async def close_streams(self) -> None:

@@ -118,9 +118,9 @@ class _TintStyles:
 class ProvenanceMarkdown(_TintStyles, Markdown):
     """A Markdown document whose characters carry provenance labels.
 
-    Feed it with `write(text, labels)` through a MarkdownStream-backed `open_stream()`; the
-    labels must be one per character of `text`. Tinting is shown unless the app (or any
-    ancestor) has the ``-no-provenance`` class.
+    Feed it with `write(text, labels)` (one label per character; a `MarkdownStream` joins
+    fragments when rendering falls behind), then `close_stream()`. The tint is hidden while
+    the app has the ``-no-provenance`` class (call `restyle()` after changing it).
     """
 
     COMPONENT_CLASSES = COMPONENTS
