@@ -109,6 +109,14 @@ def fresh_state(target, tokens):
     return state_of(cache, len(tokens))
 
 
+def rel_diff(a, b):
+    """max |a − b| / max(1, max |b|) over the arrays: float32 prefill-vs-incremental noise
+    (BLAS blocking differs with the row count) is ~1e-5; a wrong rollback step is ~1e-1."""
+    assert len(a) == len(b) and all(x.shape == y.shape for x, y in zip(a, b))
+    return mx.stack([mx.abs(x - y).max() / mx.maximum(mx.abs(y).max(), 1.0)
+                     for x, y in zip(a, b)]).max().item()
+
+
 def max_diff(a, b):
     assert len(a) == len(b) and all(x.shape == y.shape for x, y in zip(a, b))
     return mx.stack([mx.abs(x - y).max() for x, y in zip(a, b)]).max().item()
@@ -231,7 +239,7 @@ def test_rollback_after_any_accept_pattern_equals_fresh_prefill(pair, seed, bloc
         tokens = session.tokens[:-1]
         assert session.target_cache.length == len(tokens)
         got = state_of(session.target_cache, len(tokens))
-        assert max_diff(got, fresh_state(pair.target, tokens)) < 1e-4
+        assert rel_diff(got, fresh_state(pair.target, tokens)) < 2e-4
         # greedy invariant: every emitted token is the argmax of the pass that verified it
         argmax = mx.argmax(passes[-1], axis=-1).tolist()
         assert ev.tokens == (ev.drafted[: ev.accepted] + [argmax[ev.accepted]])[: len(ev.tokens)]
@@ -242,7 +250,7 @@ def test_rollback_after_any_accept_pattern_equals_fresh_prefill(pair, seed, bloc
     assert [t for e in events for t in e.tokens] == reference
 
 
-def test_rollback_state_is_bitwise_the_prefix_pass(dirs):
+def test_rollback_state_equals_the_prefix_pass(dirs):
     """After keeping n of W verify steps, the state equals a pass over just those n tokens."""
     p = load(dirs[0], None, weights="float32")
     tgt, prompt, block = p.target, list(range(30, 50)), [7, 8, 9, 10, 11, 12]
@@ -258,7 +266,7 @@ def test_rollback_state_is_bitwise_the_prefix_pass(dirs):
             tgt(mx.array([block[:n]]), ref, taps=False)
         diffs.append(max_diff(state_of(c, len(prompt) + n), state_of(ref, len(prompt) + n)))
     print(f"\nrollback vs prefix pass, max |diff| per kept steps 0..6: {diffs}")
-    assert max(diffs) < 1e-5
+    assert max(diffs) < 1e-5  # bitwise (0.0) with both the bundled BLAS and OpenBLAS here
 
 
 def test_interrupted_verify_leaves_the_cache_exact(dirs):
@@ -296,8 +304,8 @@ def test_closing_the_generator_mid_round_keeps_the_cache_exact(pair):
     next(gen), next(gen)
     gen.close()
     tokens = session.tokens[:-1]
-    assert max_diff(state_of(session.target_cache, len(tokens)),
-                    fresh_state(pair.target, tokens)) < 1e-4
+    assert rel_diff(state_of(session.target_cache, len(tokens)),
+                    fresh_state(pair.target, tokens)) < 2e-4
 
 
 def test_multi_turn_rewinds_to_a_checkpoint_or_the_start(pair):
@@ -317,7 +325,7 @@ def test_multi_turn_rewinds_to_a_checkpoint_or_the_start(pair):
     assert events[0].reused_tokens == len(p1) - 1
     assert events[0].prompt_tokens == len(p2) - len(p1)
     tokens = session.tokens[:-1]
-    assert max_diff(state_of(cache, len(tokens)), fresh_state(pair.target, tokens)) < 1e-4
+    assert rel_diff(state_of(cache, len(tokens)), fresh_state(pair.target, tokens)) < 2e-4
     assert [t for e in events for t in e.tokens] == mlx_lm_greedy(pair.target.model, p2, 8)
     # a prompt diverging before every checkpoint starts over
     p3 = [1, 2, 3] + p2
