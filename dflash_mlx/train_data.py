@@ -87,26 +87,65 @@ def chat_prompts(n: int, seed: int = 0) -> list[str]:
     return list(out)
 
 
-def self_distill(model, tokenizer, prompts: list[str], *, max_tokens: int = 256,
-                 batch_size: int = 32, temperature: float = 0.0,
-                 progress: Callable[[int, int], None] | None = None) -> Iterator[list[int]]:
-    """The target's own answers: yields prompt+response token ids per prompt."""
-    from mlx_lm.generate import batch_generate
-    from mlx_lm.sample_utils import make_sampler
+def self_distill_features(target: Target, tokenizer, prompts: list[str], out_dir: Path, *,
+                          max_tokens: int = 200, batch_size: int = 48, temperature: float = 0.0,
+                          seed: int = 0, progress: Callable[[int, int], None] | None = None) -> int:
+    """The target answers each prompt; its taps and argmax are recorded in the same passes.
 
-    sampler = make_sampler(temp=temperature) if temperature > 0 else None
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                             add_generation_prompt=True) for p in chunk]
-        ids = [list(x["input_ids"]) if isinstance(x, dict) else list(x) for x in ids]
-        kw = {"sampler": sampler} if sampler else {}
-        res = batch_generate(model, tokenizer, ids, max_tokens=max_tokens,
-                             return_token_ids=True, **kw)
-        for prompt_ids, out in zip(ids, res.token_ids):
-            yield prompt_ids + list(out)
-        if progress:
-            progress(min(start + batch_size, len(prompts)), len(prompts))
+    Prompts are batched by exact token length, so a plain batched KV cache needs no padding
+    and no second (teacher-forced) pass is needed. Returns the number of tokens written.
+    """
+    encoded = [_chat_ids(tokenizer, p) for p in prompts]
+    by_len: dict[int, list[list[int]]] = {}
+    for ids in encoded:
+        by_len.setdefault(len(ids), []).append(ids)
+    eos = set(getattr(tokenizer, "eos_token_ids", []) or [])
+    key = mx.random.key(seed)
+    writer = ShardWriter(out_dir, target)
+    done = 0
+    for group in by_len.values():
+        for start in range(0, len(group), batch_size):
+            batch = group[start : start + batch_size]
+            cache = target.make_cache()
+            x = mx.array(batch)
+            taps, preds, toks = [], [], [x]
+            for _ in range(max_tokens):
+                logits, t = target(x, cache)
+                last = logits[:, -1, :]
+                pred = mx.argmax(logits, axis=-1)
+                if temperature > 0:
+                    key, sub = mx.random.split(key)
+                    x = mx.random.categorical(last / temperature, key=sub)[:, None]
+                else:
+                    x = pred[:, -1:]
+                taps.append(t.astype(mx.float16))
+                preds.append(pred)
+                toks.append(x)
+                mx.eval(x, taps[-1], preds[-1])
+                if all(any(int(v) in eos for v in row) for row in
+                       mx.concatenate(toks[1:], axis=1).tolist()):
+                    break
+            tok = np.array(mx.concatenate(toks[:-1], axis=1))  # the last token was never fed
+            tap = np.array(mx.concatenate(taps, axis=1))
+            prd = np.array(mx.concatenate(preds, axis=1)).astype(np.int32)
+            for r in range(len(batch)):
+                n = tok.shape[1]
+                for i in range(len(batch[r]), n):  # cut after the answer's first EOS
+                    if int(tok[r, i]) in eos:
+                        n = i + 1
+                        break
+                writer.add(tok[r, :n], prd[r, :n], tap[r, :n])
+            done += len(batch)
+            if progress:
+                progress(done, len(prompts))
+    writer.close()
+    return writer.total
+
+
+def _chat_ids(tokenizer, prompt: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                        add_generation_prompt=True)
+    return list(ids["input_ids"]) if isinstance(ids, dict) else list(ids)
 
 
 def text_sequences(tokenizer, texts: Iterable[str], length: int = 512) -> Iterator[list[int]]:
@@ -135,47 +174,60 @@ class FeatureShard:
         return len(self.starts) - 1
 
 
+class ShardWriter:
+    """Appends sequences (tokens, predictions, taps) and writes atomic .npz shards."""
+
+    def __init__(self, out_dir: Path, target: Target, shard_tokens: int = 50_000):
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.index = len(list(self.out.glob("shard_*.npz")))
+        self.shard_tokens, self.total = shard_tokens, 0
+        self._reset()
+        (self.out / "features.json").write_text(json.dumps(
+            {"tap_ids": target.tap_ids, "hidden_size": target.hidden_size}, indent=2))
+
+    def _reset(self):
+        self.toks, self.preds, self.taps, self.starts = [], [], [], [0]
+
+    def add(self, tokens: np.ndarray, preds: np.ndarray, taps: np.ndarray):
+        self.toks.append(np.asarray(tokens, dtype=np.int32))
+        self.preds.append(np.asarray(preds, dtype=np.int32))
+        self.taps.append(np.asarray(taps, dtype=np.float16))
+        self.starts.append(self.starts[-1] + len(tokens))
+        self.total += len(tokens)
+        if self.starts[-1] >= self.shard_tokens:
+            self.flush()
+
+    def flush(self):
+        if len(self.starts) == 1:
+            return
+        tmp = self.out / f".shard_{self.index:04d}.tmp.npz"
+        np.savez(tmp, tokens=np.concatenate(self.toks), preds=np.concatenate(self.preds),
+                 taps=np.concatenate(self.taps), starts=np.array(self.starts, dtype=np.int64))
+        tmp.rename(self.out / f"shard_{self.index:04d}.npz")  # a shard is whole or absent
+        self.index += 1
+        self._reset()
+
+    def close(self):
+        self.flush()
+
+
 def extract_features(target: Target, sequences: Iterable[list[int]], out_dir: Path, *,
                      shard_tokens: int = 50_000, min_len: int = 16,
                      progress: Callable[[int], None] | None = None) -> int:
-    """Run the target over each sequence once; write taps + predictions shards. Returns tokens."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    index = len(list(out_dir.glob("shard_*.npz")))
-    toks, preds, taps, starts, total = [], [], [], [0], 0
-
-    def flush():
-        nonlocal toks, preds, taps, starts, index
-        if len(starts) == 1:
-            return
-        tmp = out_dir / f".shard_{index:04d}.tmp.npz"
-        np.savez(tmp, tokens=np.concatenate(toks), preds=np.concatenate(preds),
-                 taps=np.concatenate(taps), starts=np.array(starts, dtype=np.int64))
-        tmp.rename(out_dir / f"shard_{index:04d}.npz")  # atomic: a shard is whole or absent
-        index += 1
-        toks, preds, taps, starts = [], [], [], [0]
-
+    """Teacher-force the target over each sequence once; write taps + predictions."""
+    writer = ShardWriter(out_dir, target, shard_tokens)
     for seq in sequences:
         if len(seq) < min_len:
             continue
-        cache = target.make_cache()
-        logits, t = target(mx.array([seq]), cache)
-        p = mx.argmax(logits[0], axis=-1).astype(mx.int32)
-        t = t[0].astype(mx.float16)
+        logits, t = target(mx.array([seq]), target.make_cache())
+        p = mx.argmax(logits[0], axis=-1)
         mx.eval(p, t)
-        toks.append(np.array(seq, dtype=np.int32))
-        preds.append(np.array(p))
-        taps.append(np.array(t))
-        starts.append(starts[-1] + len(seq))
-        total += len(seq)
+        writer.add(np.array(seq), np.array(p), np.array(t[0].astype(mx.float16)))
         if progress:
-            progress(total)
-        if starts[-1] >= shard_tokens:
-            flush()
-    flush()
-    (out_dir / "features.json").write_text(json.dumps(
-        {"tap_ids": target.tap_ids, "hidden_size": target.hidden_size}, indent=2))
-    return total
+            progress(writer.total)
+    writer.close()
+    return writer.total
 
 
 def load_shards(folder: Path) -> list[FeatureShard]:

@@ -6,6 +6,7 @@ Writes one shard per batch of prompts, so training can start before the last one
 """
 
 import argparse
+import random
 import sys
 import time
 
@@ -16,7 +17,7 @@ from dflash_mlx.demo import demo_target_path
 from dflash_mlx.gguf import load_gguf
 from dflash_mlx.load import convert_weights
 from dflash_mlx.target import Target
-from dflash_mlx.train_data import chat_prompts, extract_features, self_distill
+from dflash_mlx.train_data import chat_prompts, self_distill_features
 
 
 def main():
@@ -31,18 +32,31 @@ def main():
     model, tok = load_gguf(demo_target_path())
     convert_weights(model, mx.float32)
     target = Target(model, build_target_layer_ids(len(model.layers), 5))
-    prompts = chat_prompts(args.prompts, seed=args.seed)
+    # Batches need prompts of one token length (no padding): draw many candidates and keep
+    # whole batches from the most common lengths.
+    buckets = {}
+    for p in chat_prompts(args.prompts * 8, seed=args.seed):
+        buckets.setdefault(len(tok.encode(p)), []).append(p)
+    prompts = []
+    for group in sorted(buckets.values(), key=len, reverse=True):
+        prompts += group[: args.batch]
+        if len(prompts) >= args.prompts:
+            break
+    random.Random(args.seed).shuffle(prompts)
     n_greedy = int(len(prompts) * (1 - args.sampled_fraction))
-    tic, total = time.time(), 0
-    for start in range(0, len(prompts), args.batch):
-        chunk = prompts[start : start + args.batch]
-        temp = 0.0 if start < n_greedy else 0.7
-        seqs = list(self_distill(model, tok, chunk, max_tokens=args.max_tokens,
-                                 batch_size=args.batch, temperature=temp))
-        total += extract_features(target, seqs, args.out)
-        print(f"{start + len(chunk)}/{len(prompts)} prompts, {total} tokens, "
-              f"{time.time() - tic:.0f}s", file=sys.stderr, flush=True)
+    tic = time.time()
 
+    def progress(done, total):
+        print(f"{done}/{total} prompts, {time.time() - tic:.0f}s", file=sys.stderr, flush=True)
+
+    greedy, sampled = prompts[:n_greedy], prompts[n_greedy:]
+    n = self_distill_features(target, tok, greedy, args.out, max_tokens=args.max_tokens,
+                              batch_size=args.batch, progress=progress)
+    if sampled:
+        n += self_distill_features(target, tok, sampled, args.out, max_tokens=args.max_tokens,
+                                   batch_size=args.batch, temperature=0.7, seed=args.seed,
+                                   progress=progress)
+    print(f"{n} tokens in {time.time() - tic:.0f}s", file=sys.stderr)
 
 if __name__ == "__main__":
     main()
