@@ -37,7 +37,7 @@ from .widgets.status import StatusBar
 
 # While answering, the UI refreshes every REFRESH_S seconds, slower if drawing costs more than
 # UI_BUDGET of one core: drawing shares the GIL with the generation thread.
-REFRESH_S, MAX_REFRESH_S, UI_BUDGET = 0.1, 0.5, 0.04
+REFRESH_S, MAX_REFRESH_S, UI_BUDGET = 0.1, 0.75, 0.03
 HISTORY = 48  # τ samples in the sparkline
 Loader = Callable[[Callable[[str], None]], object]
 
@@ -209,9 +209,13 @@ class ChatApp(ChatActions, App[None]):
         turn = Turn(user=text, decode=self._decode, thinking=self._opens_thinking(msgs))
         self._job = _Job(turn, events, widget, user_widget, s.block_size)
         self.busy = True
+        # Draw the new messages first, so that work does not compete with the engine.
+        self.call_after_refresh(self._begin, self._job)
+
+    def _begin(self, job: _Job) -> None:
         self._refresh_s, self._cpu_mark = REFRESH_S, time.thread_time()
         self.set_timer(self._refresh_s, self._tick)
-        self._generate(self._job)
+        self._generate(job)
 
     @work(thread=True, exclusive=True, group="generate", exit_on_error=False)
     def _generate(self, job: _Job) -> None:
