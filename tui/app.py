@@ -49,6 +49,7 @@ class _Job:
     widget: AssistantMessage
     user_widget: UserMessage
     block_size: int
+    stop: bool = False  # Escape before the worker existed
 
 
 class ChatApp(ChatActions, App[None]):
@@ -225,7 +226,7 @@ class ChatApp(ChatActions, App[None]):
         try:
             for ev in job.events:
                 self._feed.append(ev)
-                if worker.is_cancelled:
+                if worker.is_cancelled or job.stop:
                     stopped = True
                     break
         except Exception as e:
@@ -333,6 +334,8 @@ class ChatApp(ChatActions, App[None]):
     def action_stop(self) -> None:
         """Escape: stop at the next block boundary (or leave prompt editing)."""
         if self.busy:
+            if self._job is not None:
+                self._job.stop = True
             for worker in self.workers:
                 if worker.group in ("generate", "baseline"):
                     worker.cancel()
