@@ -92,7 +92,7 @@ class Conversation:
                 self.pair.target.make_cache(), None)
         parts: list[str] = []
         try:
-            for ev in stream_generate(self.pair, ids, session=self.session, **gen_kwargs):
+            for ev in self._events(ids, gen_kwargs):
                 parts.append(ev.text)
                 yield ev
         except GeneratorExit:
@@ -105,3 +105,7 @@ class Conversation:
                 self.messages.pop()
             raise
         self.messages.append({"role": "assistant", "content": "".join(parts)})
+
+    def _events(self, ids: list[int], gen_kwargs: dict) -> Iterator[BlockEvent]:
+        """The answer's BlockEvents (a seam: a UI can script them without a model)."""
+        return stream_generate(self.pair, ids, session=self.session, **gen_kwargs)

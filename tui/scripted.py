@@ -2,8 +2,8 @@
 
 It yields the same BlockEvents the engine would (tokens from the pair's tokenizer, an
 acceptance pattern per round, fixed timings), so snapshots are stable and the UI can be
-exercised or measured alone. History bookkeeping follows `Conversation`: a stopped answer
-stays, a failed one removes the question.
+exercised or measured alone. Only `Conversation._events` is replaced: history bookkeeping
+(a stopped answer stays, a failed one removes the question) is the real one.
 """
 
 from __future__ import annotations
@@ -35,21 +35,6 @@ class ScriptedConversation(Conversation):
     error: Exception = field(default_factory=lambda: RuntimeError("scripted failure"))
     turn: int = 0
     cached: list[int] = field(default_factory=list)
-
-    def _answer(self, ids: list[int], gen_kwargs: dict) -> Iterator[BlockEvent]:
-        parts: list[str] = []
-        try:
-            for ev in self._events(ids, gen_kwargs):
-                parts.append(ev.text)
-                yield ev
-        except GeneratorExit:
-            self.messages.append({"role": "assistant", "content": "".join(parts)})
-            raise
-        except BaseException:
-            if self.messages and self.messages[-1]["role"] == "user":
-                self.messages.pop()
-            raise
-        self.messages.append({"role": "assistant", "content": "".join(parts)})
 
     def _events(self, ids: list[int], gen_kwargs: dict) -> Iterator[BlockEvent]:
         tok = self.pair.tokenizer
