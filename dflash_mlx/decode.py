@@ -260,7 +260,9 @@ def stream_generate(
         committed = base  # what the target cache may keep; grows only on success
         try:
             logits, taps = pair.target(
-                mx.array([[last] + drafted]), session.target_cache, taps=speculate
+                # taps whenever a draft shares this session, so an AR turn keeps its context whole
+                mx.array([[last] + drafted]), session.target_cache,
+                taps=session.draft_cache is not None
             )
             logits = logits[0]
             if params.greedy:

@@ -240,3 +240,13 @@ def test_pair_from_models_in_memory(tiny_dirs):
     a = [t for e in _run(pair, [1, 2, 3], max_tokens=8) for t in e.tokens]
     b = [t for e in _run(p2, [1, 2, 3], max_tokens=8) for t in e.tokens]
     assert a == b
+
+
+def test_ar_turn_inside_a_speculative_session_keeps_draft_context(tiny_dirs):
+    """An AR (block 1) turn in a session with a draft still feeds the draft's context."""
+    pair = load(*tiny_dirs, weights="float32")
+    session = Session.new(pair)
+    _run(pair, list(range(10, 30)), max_tokens=5, session=session, block_size=1)
+    _assert_cache_equals_prefill(pair, session)
+    _run(pair, session.tokens + [40, 41], max_tokens=6, session=session, block_size=5)
+    _assert_cache_equals_prefill(pair, session)
