@@ -177,7 +177,7 @@ class FeatureShard:
 class ShardWriter:
     """Appends sequences (tokens, predictions, taps) and writes atomic .npz shards."""
 
-    def __init__(self, out_dir: Path, target: Target, shard_tokens: int = 50_000):
+    def __init__(self, out_dir: Path, target: Target, shard_tokens: int = 10_000):
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.index = len(list(self.out.glob("shard_*.npz")))

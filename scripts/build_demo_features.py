@@ -10,6 +10,7 @@ import random
 import sys
 import time
 
+import dflash_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx)
 import mlx.core as mx
 
 from dflash_mlx.config import build_target_layer_ids

@@ -6,6 +6,7 @@ Usage: python scripts/train_demo_draft.py FEATURES_DIR OUT_DIR [--steps N] [--la
 import argparse
 import sys
 
+import dflash_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx)
 import mlx.core as mx
 
 from dflash_mlx.demo import demo_target_path
