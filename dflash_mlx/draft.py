@@ -173,6 +173,9 @@ class Borrowed:
 
     embed: Callable[[mx.array], mx.array]
     lm_head: Callable[[mx.array], mx.array]
+    head_module: object = None  # the module whose rows are the vocabulary
+    head_ids: mx.array | None = None  # restricted proposal vocabulary (draft_vocab.py)
+    sub_head: Callable[[mx.array], mx.array] | None = None
 
 
 class DFlashDraftModel(nn.Module):
@@ -189,7 +192,20 @@ class DFlashDraftModel(nn.Module):
 
     def bind(self, target) -> "DFlashDraftModel":
         """Borrow the target's embedding and LM head (tied or not)."""
-        self._borrowed = Borrowed(embed=target.embed, lm_head=target.lm_head)
+        self._borrowed = Borrowed(embed=target.embed, lm_head=target.lm_head,
+                                  head_module=target.head_module)
+        return self
+
+    def restrict_head(self, ids: list[int] | None) -> "DFlashDraftModel":
+        """Propose only from `ids` (None: the full vocabulary again). Verification is unchanged."""
+        from .draft_vocab import head_rows
+
+        b = self._borrowed
+        if ids is None:
+            b.head_ids = b.sub_head = None
+        else:
+            b.head_ids = mx.array(ids, dtype=mx.uint32)
+            b.sub_head = head_rows(b.head_module, b.head_ids)
         return self
 
     @property
@@ -257,7 +273,15 @@ class DFlashDraftModel(nn.Module):
         `params` (SamplingParams) and `key` are for DFlash 2's selector; v1 ignores them.
         """
         hidden = self(block_ids, context, cache)
-        return mx.argmax(self.logits(hidden[:, 1:]), axis=-1)[0], None
+        return self.greedy_tokens(hidden[:, 1:])[0], None
+
+    def greedy_tokens(self, hidden: mx.array) -> mx.array:
+        """Per-slot argmax ids, through the restricted head when one is set."""
+        b = self._borrowed
+        if b.head_ids is not None:
+            # multiplier and softcap are monotone: the argmax needs neither
+            return b.head_ids[mx.argmax(b.sub_head(hidden), axis=-1)]
+        return mx.argmax(self.logits(hidden), axis=-1)
 
     @staticmethod
     def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -13,6 +13,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .config import DraftConfig
 from .draft import DFlashDraftModel
+from .draft_vocab import read as vocab_ids
 from .errors import CheckpointError, DFlashError, ModelNotFoundError, PairMismatchError
 from .hybrid import target_for
 from .target import Target
@@ -197,6 +198,7 @@ def load(
     revisions: tuple[str | None, str | None] = (None, None),
     draft_window: int | None = None,
     selector_bits: int | None = None,
+    draft_vocab: bool = True,
 ) -> Pair:
     """Load a target (mlx-lm folder, .gguf file or Hub repo) and a DFlash draft.
 
@@ -208,6 +210,8 @@ def load(
         draft_window: keep at most this many context rows in the draft's KV cache
             (`--draft-window`; None = the draft config's own sliding windows only).
         selector_bits: 4 or 8 quantizes a DFlash 2 selector too (None keeps it as loaded).
+        draft_vocab: use the draft's `draft_vocab.json` (a restricted proposal head) if it
+            ships one; verification stays exact either way.
     """
     say = progress or (lambda _msg: None)
     if draft_bits not in DRAFT_BITS:
@@ -233,6 +237,9 @@ def load(
                 raise DFlashError(f"--draft-window must be at least 1, got {draft_window}")
             d_model.window_limit = int(draft_window)
         d_model.bind(tgt)
+        folder = d_path if d_path.is_dir() else d_path.parent
+        if draft_vocab and not cfg.is_dflash2:
+            d_model.restrict_head(vocab_ids(folder))
     policy = weights if weights != "auto" else ("float32" if dtype is not None else "quantized")
     return Pair(tgt, d_model, tokenizer, str(target), None if draft is None else str(draft),
                 weights=policy, draft_bits=draft_bits)

@@ -68,6 +68,7 @@ class Target:
         )
         head = _find(model, ["lm_head", "language_model.lm_head"])
         self._head = head if head is not None else self.embed_tokens.as_linear
+        self.head_module = head if head is not None else self.embed_tokens  # rows = vocabulary
         args = _text_args(model)
         self.hidden_size = args.get("hidden_size")
         self.vocab_size = args.get("vocab_size")

@@ -148,7 +148,7 @@ def heldout_tau(draft, batches: list, block_size: int) -> tuple[float, list[floa
     for blocks, ctx, seq_of, anchors, labels in batches:
         blocks, labels = blocks[:, :block_size], labels[:, : block_size - 1]
         h = packed_hidden(draft, blocks, ctx, seq_of, anchors)
-        ok = np.array(mx.argmax(draft.logits(h[:, 1:]), axis=-1) == labels)
+        ok = np.array(draft.greedy_tokens(h[:, 1:]) == labels)
         run = np.cumprod(ok, axis=1)
         lengths.extend(1 + run.sum(axis=1))
         hits += ok.sum(axis=0)

@@ -65,9 +65,28 @@ def build_features(pair, out: Path, *, prompts: int, max_tokens: int, batch: int
     return total
 
 
+def write_vocab(draft, out: Path, shards, held, size: int) -> None:
+    """Ship a restricted proposal head (draft_vocab.json) and report what it costs in τ."""
+    from . import draft_vocab
+    from .train import BlockSampler, heldout_tau
+
+    ids, coverage = draft_vocab.most_frequent((s.preds for s in shards), size)
+    draft_vocab.save(out, ids, coverage, f"top {size} target predictions of the training data")
+    cfg = draft.config
+    batches = [BlockSampler(held, cfg.block_size, cfg.mask_token_id, 7).batch(8, 8)
+               for _ in range(8)]
+    full, _ = heldout_tau(draft, batches, 5)
+    draft.restrict_head(ids)
+    part, _ = heldout_tau(draft, batches, 5)
+    draft.restrict_head(None)
+    console.print(f"draft_vocab.json: {len(ids)} ids cover {coverage:.2%} of target predictions; "
+                  f"held-out τ@5 full head {full:.3f}, restricted {part:.3f}")
+
+
 def run(model: str, out: Path, *, features: Path | None, prompts: int, max_tokens: int,
         batch: int, sampled_fraction: float, texts: list[Path], layers: int, block_size: int,
-        steps: int, lr: float, heldout: int, resume: bool, seed: int, weights: str) -> None:
+        steps: int, lr: float, heldout: int, resume: bool, seed: int, weights: str,
+        vocab: int = 8192) -> None:
     import mlx.core as mx
 
     from .draft import DFlashDraftModel
@@ -111,4 +130,6 @@ def run(model: str, out: Path, *, features: Path | None, prompts: int, max_token
             print(f"step {ev.step} loss {ev.loss:.4f} lr {ev.lr:.2e} labels/s "
                   f"{ev.tokens_per_s:.0f} heldout_tau {ev.heldout_tau:.3f} slot_acc "
                   + " ".join(f"{a:.3f}" for a in ev.slot_accuracy), file=sys.stderr, flush=True)
+    if vocab:
+        write_vocab(draft, out, shards, held, vocab)
     console.print(f"draft written to {out} (config.json + model.safetensors)")

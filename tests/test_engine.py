@@ -250,3 +250,40 @@ def test_ar_turn_inside_a_speculative_session_keeps_draft_context(tiny_dirs):
     _assert_cache_equals_prefill(pair, session)
     _run(pair, session.tokens + [40, 41], max_tokens=6, session=session, block_size=5)
     _assert_cache_equals_prefill(pair, session)
+
+
+@pytest.mark.parametrize("weights", ["float32", "quantized"])
+def test_restricted_draft_head(tiny_dirs, tmp_path, weights):
+    """A draft_vocab.json restricts proposals to its ids; output stays exactly the target's."""
+    import json
+    import shutil
+
+    from dflash_mlx import draft_vocab
+
+    t, d = tiny_dirs
+    qt = tmp_path / "qtarget"
+    if weights == "quantized":  # a 4-bit target exercises the quantized row gather
+        tiny.make_target(qt, model_type="qwen3", quantize=True)
+        t = qt
+    full = load(t, d, weights=weights)
+    folder = tmp_path / "draft"
+    shutil.copytree(d, folder)
+    # the whole vocabulary: identical proposals to the unrestricted head
+    draft_vocab.save(folder, list(range(tiny.VOCAB_SIZE)), 1.0, "test")
+    same = load(t, folder, weights=weights)
+    block = mx.array([[5] + [tiny.MASK_ID] * 4])
+    ctx = mx.random.normal((1, 6, 64 * len(full.draft.config.target_layer_ids)), key=mx.random.key(1))
+    a, _ = full.draft.propose(block, ctx, full.draft.make_cache())
+    b, _ = same.draft.propose(block, ctx, same.draft.make_cache())
+    assert a.tolist() == b.tolist()
+    # a small subset: proposals come from it, and generation still equals AR greedy
+    subset = list(range(0, tiny.VOCAB_SIZE, 3))
+    draft_vocab.save(folder, subset, 0.5, "test")
+    part = load(t, folder, weights=weights)
+    c, _ = part.draft.propose(block, ctx, part.draft.make_cache())
+    assert set(c.tolist()) <= set(subset)
+    assert json.loads((folder / "draft_vocab.json").read_text())["size"] == len(subset)
+    spec = [x for e in _run(part, [3, 4, 5, 6], max_tokens=16) for x in e.tokens]
+    ar = [x for e in _run(part, [3, 4, 5, 6], max_tokens=16, block_size=1) for x in e.tokens]
+    assert spec == ar
+    assert load(t, folder, weights=weights, draft_vocab=False).draft._borrowed.head_ids is None

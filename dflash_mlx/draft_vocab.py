@@ -1,0 +1,63 @@
+"""A restricted draft LM head: score only the tokens the target actually tends to produce.
+
+At a small target the shared LM head is most of a draft pass (SmolLM2: 4 slots × 576 × 49152
+MACs, about one whole target step). Proposing from the N most frequent target predictions keeps
+verification exact (the target still checks every token against its full distribution; a v1
+draft's proposals are one-hot, so the rejection rule is unchanged) and only costs acceptance when
+the target's next token lies outside the set. `draft_vocab.json` next to a draft enables it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Iterable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+FILENAME = "draft_vocab.json"
+
+
+def head_rows(head: nn.Module, ids: mx.array) -> Callable[[mx.array], mx.array]:
+    """logits over `ids` only, from the rows of an LM head or tied embedding (quantized or not)."""
+    if isinstance(head, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        w, s = head.weight[ids], head.scales[ids]
+        b = head["biases"][ids] if "biases" in head else None
+        gs, bits, mode = head.group_size, head.bits, getattr(head, "mode", "affine")
+        return lambda h: mx.quantized_matmul(h, w, s, b, transpose=True, group_size=gs,
+                                             bits=bits, mode=mode)
+    if isinstance(head, (nn.Linear, nn.Embedding)):
+        w = head.weight[ids]
+        return lambda h: h @ w.T
+    raise TypeError(f"cannot restrict a {type(head).__name__} head")
+
+
+def most_frequent(predictions: Iterable, size: int, always: Iterable[int] = ()) -> tuple[list[int], float]:
+    """The `size` most frequent ids (plus `always`) and the share of predictions they cover."""
+    counts = Counter()
+    for chunk in predictions:
+        counts.update(int(t) for t in chunk)
+    keep = dict.fromkeys(list(always))
+    for tok, _ in counts.most_common():
+        if len(keep) >= size:
+            break
+        keep[tok] = None
+    total = sum(counts.values())
+    covered = sum(counts[t] for t in keep) / total if total else 0.0
+    return sorted(keep), covered
+
+
+def save(folder: Path, ids: list[int], coverage: float, source: str) -> Path:
+    path = Path(folder) / FILENAME
+    path.write_text(json.dumps({"size": len(ids), "coverage": round(coverage, 5),
+                                "source": source, "ids": ids}))
+    return path
+
+
+def read(folder: Path) -> list[int] | None:
+    path = Path(folder) / FILENAME
+    if not path.is_file():
+        return None
+    return [int(i) for i in json.loads(path.read_text())["ids"]]
