@@ -84,6 +84,15 @@ SystemOpt = Annotated[Optional[str], typer.Option("--system-prompt", help="Syste
                                                   rich_help_panel=S)]
 NoTemplateOpt = Annotated[bool, typer.Option(
     "--no-chat-template", help="Tokenize the prompt as is.", rich_help_panel=S)]
+R = "Remote server"
+BackendOpt = Annotated[str, typer.Option(
+    help="local: run the engine here. openai: drive an OpenAI-compatible server at --base-url "
+    "(dflash-mlx serve, vLLM, SGLang, llama.cpp, mlx_lm.server); --model is then the served "
+    "model name (default: the server's).", rich_help_panel=R)]
+BaseUrlOpt = Annotated[Optional[str], typer.Option(
+    help="The server, e.g. http://127.0.0.1:8000/v1.", rich_help_panel=R)]
+ApiKeyOpt = Annotated[Optional[str], typer.Option(
+    envvar="DFLASH_MLX_API_KEY", help="Bearer token for the server.", rich_help_panel=R)]
 
 
 def _say(quiet: bool):
@@ -120,11 +129,21 @@ def generate(
                                         rich_help_panel="Output")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Add one line per block.",
                                           rich_help_panel="Output")] = False,
+    backend: BackendOpt = "local",
+    base_url: BaseUrlOpt = None,
+    api_key: ApiKeyOpt = None,
 ):
     """Generate a reply: DFlash speculative decoding, exactly the target's own output."""
-    from . import prepare, registry
+    from . import prepare, registry, server_cli
 
     sampling = prepare.check_sampling(max_tokens, temp, top_p, top_k, seed)
+    if server_cli.is_remote(backend, base_url):
+        if check_parity or events or verbose:
+            raise InvalidArgumentError("--check-parity, --events and --verbose need the local "
+                                       "engine (--backend local)")
+        text = prepare.read_prompt(prompt_arg, prompt)
+        return server_cli.generate(base_url, api_key, model, text, system_prompt, reasoning,
+                                   not no_chat_template, sampling, quiet)
     (requested,) = [1] if no_draft else prepare.parse_block_sizes(block_size, allow_list=False)
     if check_parity and temp > 0:
         raise InvalidArgumentError("--check-parity compares greedy outputs: use it with --temp 0")
@@ -305,12 +324,27 @@ def benchmark(
     repeats: Annotated[int, typer.Option(help="Runs per prompt and system; the median counts.")] = 1,
     out: Annotated[Optional[Path], typer.Option(
         help="Write a JSON card (machine, versions, models, revisions, settings, results).")] = None,
+    backend: BackendOpt = "local",
+    base_url: BaseUrlOpt = None,
+    api_key: ApiKeyOpt = None,
+    concurrency: Annotated[int, typer.Option(
+        help="With --backend openai: requests in flight at once.", rich_help_panel=R)] = 1,
 ):
-    """AR vs DFlash on the same target and prompts: speedup, τ, acceptance, greedy match."""
-    from . import bench, prepare, registry
+    """AR vs DFlash on the same target and prompts: speedup, τ, acceptance, greedy match.
+
+    With --backend openai: completion tokens/s of a server, τ and acceptance where it reports
+    them (first user turn of each item).
+    """
+    from . import bench, prepare, registry, server_cli
     from .doctor import machine, versions
 
     sampling = prepare.check_sampling(max_tokens, temp, top_p, top_k, seed)
+    if server_cli.is_remote(backend, base_url):
+        return server_cli.benchmark(base_url, api_key, model, dataset, num_prompts, concurrency,
+                                    sampling, reasoning, out)
+    if concurrency != 1:
+        raise InvalidArgumentError("--concurrency goes with --backend openai (the local engine "
+                                   "runs one stream)")
     spec = registry.resolve(model, draft)
     template_kwargs = registry.reasoning_kwargs(spec.entry, reasoning)
     blocks = prepare.parse_block_sizes(block_size, allow_auto=False)
@@ -376,6 +410,47 @@ def chat(
     raise typer.Exit(run_chat(settings, loader, resume=resume))
 
 
+@app.command()
+def serve(
+    model: ModelOpt = None,
+    draft: DraftOpt = None,
+    no_draft: NoDraftOpt = False,
+    block_size: BlockSizeOpt = DEFAULT_BLOCK_SIZE,
+    draft_bits: DraftBitsOpt = 4,
+    weights: WeightsOpt = "auto",
+    host: Annotated[str, typer.Option(
+        help="Address to listen on; 0.0.0.0 opens the server to the network.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port; 0 picks a free one.")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(
+        envvar="DFLASH_MLX_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*.")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(
+        help="The model id clients send (default: the models.toml name, or --model).")] = None,
+    queue_size: Annotated[int, typer.Option(
+        help="Requests that may wait while one generates; beyond that, 503.")] = 64,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level (info: one line per "
+                                           "request).")] = "info",
+    max_tokens: Annotated[int, typer.Option(
+        help="Most tokens when a request sets none.", rich_help_panel=S)] = DEFAULT_MAX_TOKENS,
+    temp: Annotated[float, typer.Option(
+        help="Temperature when a request sets none; 0 is greedy.", rich_help_panel=S)] = 0.0,
+    top_p: Annotated[float, typer.Option(help="top_p when a request sets none.",
+                                         rich_help_panel=S)] = 1.0,
+    top_k: Annotated[int, typer.Option(help="top_k when a request sets none; 0 keeps all.",
+                                       rich_help_panel=S)] = 0,
+):
+    """Serve the pair over an OpenAI-compatible API: /v1/chat/completions, /v1/completions
+    (streaming or not), /v1/models, /health. One generation at a time, the rest queued."""
+    from . import prepare, registry, server_cli
+
+    prepare.check_sampling(max_tokens, temp, top_p, top_k, None)
+    (requested,) = [1] if no_draft else prepare.parse_block_sizes(block_size, allow_list=False)
+    server_cli.serve(registry.resolve(model, draft, no_draft), requested, draft_bits=draft_bits,
+                     weights=weights, host=host, port=port, api_key=api_key,
+                     model_name=served_model_name, queue_size=queue_size, log_level=log_level,
+                     defaults={"max_tokens": max_tokens, "temperature": temp, "top_p": top_p,
+                               "top_k": top_k})
+
+
 @app.command("train-draft")
 def train_draft(
     out: Annotated[Path, typer.Option(help="Output folder: the draft (z-lab format) and its "
@@ -398,6 +473,8 @@ def train_draft(
     heldout: Annotated[int, typer.Option(help="Sequences held out for the τ estimate.")] = 24,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from OUT's checkpoint.")] = False,
     seed: Annotated[int, typer.Option(help="Data and initialisation seed.")] = 0,
+    vocab: Annotated[int, typer.Option(
+        help="Ship a restricted proposal head of this many frequent tokens (0: none).")] = 8192,
     weights: WeightsOpt = "auto",
 ):
     """Train a DFlash draft for a target: self-distilled features, then block training."""
@@ -410,7 +487,7 @@ def train_draft(
     train_cli.run(model, out, features=features, prompts=prompts, max_tokens=max_tokens,
                   batch=batch, sampled_fraction=sampled_fraction, texts=text or [],
                   layers=layers, block_size=block_size, steps=steps, lr=lr, heldout=heldout,
-                  resume=resume, seed=seed, weights=weights)
+                  resume=resume, seed=seed, weights=weights, vocab=vocab)
 
 
 @app.command("fetch-demo")

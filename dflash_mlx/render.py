@@ -218,3 +218,51 @@ def bench_table(rows: list[dict], title: str) -> Table:
         t.add_row(r["dataset"], str(r["block_size"]), str(r["samples"]), f"{r['speedup']:.2f}×",
                   f"{r['tau']:.2f}", rates, f"{r['ar_tps']:.1f}", f"{r['dflash_tps']:.1f}", match)
     return t
+
+
+def _rates(rates) -> str:
+    return "  ".join(f"{i + 1}:{r:.0%}" for i, r in enumerate(rates or [])) or "-"
+
+
+def remote_stats_lines(c, server: str) -> list[str]:
+    """`generate --backend openai`: what the client measured, and the server's speculation
+    stats where it reports them (else n/a)."""
+    cached = f" ({c.cached_tokens} cached)" if c.cached_tokens else ""
+    prompt = "n/a" if c.prompt_tokens is None else c.prompt_tokens
+    ttft = "n/a" if c.ttft_s is None else f"{c.ttft_s * 1e3:.0f} ms"
+    count = f"{c.tokens} tokens" + ("" if c.completion_tokens is not None else " (chunks; no usage)")
+    tps = "n/a" if c.decode_tps is None else f"{c.decode_tps:.1f}"
+    lines = ["==========", f"Server: {server}",
+             f"Prompt: {prompt} tokens{cached}, time to first token {ttft}",
+             f"Generation: {count}, {tps} tokens-per-sec (after the first token)"]
+    s = c.speculation
+    if s:
+        lines.append(f"Acceptance: τ {s['tau']:.2f} tokens/round; per position "
+                     f"{_rates(s['acceptance_rates'])} (from {s['source']})")
+    else:
+        lines.append("Acceptance: n/a (the server reports no speculation stats)")
+    return lines
+
+
+def remote_bench_table(rows: list[dict], title: str) -> Table:
+    t = Table(title=title, title_justify="left",
+              caption="tok/s = completion tokens ÷ wall time with `conc` requests in flight; "
+              "decode = per request, after its first token; τ and accept/pos as the server "
+              "reports them (n/a: it does not)", caption_justify="left")
+    for col in ("dataset", "n", "conc", "tokens", "tok/s", "decode tok/s", "TTFT ms", "τ",
+                "accept/pos", "stats from"):
+        left = col in ("dataset", "accept/pos", "stats from")
+        t.add_column(col, justify="left" if left else "right", no_wrap=col == "dataset",
+                     overflow="fold")
+
+    def num(x, fmt):
+        return "n/a" if x is None else format(x, fmt)
+
+    for r in rows:
+        rates = " ".join(f"{x:.0%}" for x in r["acceptance_rates"]) or (
+            "n/a" if r["tau"] is None else "-")
+        t.add_row(r["dataset"], str(r["requests"]), str(r["concurrency"]),
+                  str(r["completion_tokens"]), num(r["throughput_tps"], ".1f"),
+                  num(r["decode_tps"], ".1f"), num(r["ttft_ms"], ".0f"), num(r["tau"], ".2f"),
+                  rates, r["speculation_source"] or "n/a")
+    return t
