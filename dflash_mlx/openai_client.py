@@ -31,19 +31,20 @@ class Completion:
     """One request's outcome, as the client saw it."""
 
     text: str = ""
+    reasoning: str = ""  # vLLM/SGLang reasoning parsers stream thinking apart from content
     finish_reason: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
-    chunks: int = 0
+    chunks: int = 0  # chunks that carried generated text (possibly empty): ~ tokens or blocks
     start: float = field(default_factory=time.perf_counter)
-    first: float | None = None  # first text received
+    first: float | None = None  # first generated chunk: time to first token
     end: float | None = None
     speculation: dict | None = None  # tau, acceptance_rates, drafted/accepted tokens, source
 
     @property
     def tokens(self) -> int:
-        """Completion tokens from `usage`, else the number of text chunks (an estimate)."""
+        """Completion tokens from `usage`, else the number of generated chunks (an estimate)."""
         return self.completion_tokens if self.completion_tokens is not None else self.chunks
 
     @property
@@ -56,7 +57,7 @@ class Completion:
 
     @property
     def decode_tps(self) -> float | None:
-        """Tokens after the first one per second after the first one (prefill excluded)."""
+        """Tokens after the first per second after the first (1 / TPOT; prefill excluded)."""
         if self.first is None or self.end is None or self.tokens < 2 or self.end <= self.first:
             return None
         return (self.tokens - 1) / (self.end - self.first)
@@ -154,11 +155,12 @@ class Stream:
                 payload, data = "\n".join(data), []
                 if payload.strip() == "[DONE]":
                     break
-                text = self._event(json.loads(payload))
-                if text:
+                text, generated = self._event(json.loads(payload))
+                if generated:
                     r.chunks += 1
                     if r.first is None:
                         r.first = time.perf_counter()
+                if text:
                     r.text += text
                     yield text
         except (OSError, ValueError) as e:
@@ -167,7 +169,12 @@ class Stream:
             r.end = time.perf_counter()
             self.response.close()
 
-    def _event(self, obj: dict) -> str:
+    def _event(self, obj: dict) -> tuple[str, bool]:
+        """(content text, whether the chunk carries generated output, even empty or thinking).
+
+        A role-only opening chunk and a bare closing chunk are not output: vLLM sends the
+        first before prefill, so counting it would make time-to-first-token zero.
+        """
         if "error" in obj:
             err = obj["error"]
             raise ServerError(f"the server failed mid-stream: "
@@ -178,7 +185,15 @@ class Stream:
         if c.get("finish_reason"):
             self.result.finish_reason = c["finish_reason"]
         delta = c.get("delta")
-        return (delta.get("content") or "") if isinstance(delta, dict) else (c.get("text") or "")
+        if isinstance(delta, dict):
+            thinking = delta.get("reasoning_content") or delta.get("reasoning") or ""
+            self.result.reasoning += thinking
+            text = delta.get("content") or ""
+            generated = bool(text or thinking) or ("content" in delta and "role" not in delta
+                                                   and not c.get("finish_reason"))
+            return text, generated
+        text = c.get("text")
+        return text or "", isinstance(text, str) and bool(text or not c.get("finish_reason"))
 
 
 def _read_extras(obj: dict, r: Completion) -> None:
@@ -288,9 +303,10 @@ def _error_message(e: urllib.error.HTTPError) -> str:
         return e.reason
     try:
         err = json.loads(body).get("error", body)
-        return err.get("message", str(err)) if isinstance(err, dict) else str(err)
+        msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
     except (ValueError, AttributeError):
-        return body.strip()[:300] or str(e.reason)
+        msg = body[:300] or str(e.reason)
+    return " ".join(msg.split())  # one line, whatever the server sent
 
 
 # -- benchmark ---------------------------------------------------------------------------------

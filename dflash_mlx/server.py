@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import os
 import secrets
 import socket
 import time
@@ -105,7 +106,7 @@ async def _stream(job: Job, first, reply: Reply, include_usage: bool):
         msg = first
         while True:
             if isinstance(msg, Delta):
-                yield reply.chunk(msg.text)
+                yield reply.chunk(msg.text)  # "" when a block's bytes are not whole characters yet
             elif isinstance(msg, Done) and msg.finish_reason == "cancelled":
                 yield _sse({"error": {"message": "generation stopped: the server is shutting "
                                       "down", "type": "server_error", "param": None,
@@ -228,7 +229,8 @@ def bind(host: str, port: int) -> socket.socket:
     try:
         return socket.create_server((host, port), family=family, backlog=128)
     except OSError as e:
-        raise DFlashError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
+        why = os.strerror(e.errno) if e.errno else str(e)
+        raise DFlashError(f"cannot listen on {host}:{port} ({why})") from None
 
 
 def serve(worker: Worker, cfg: ServerConfig, sock: socket.socket, log_level: str = "info") -> None:

@@ -230,8 +230,7 @@ class Worker:
                 elif ev.finish_reason is not None:
                     text += stop.flush()
                     finish = ev.finish_reason
-                if text:
-                    job.emit(Delta(text))
+                job.emit(Delta(text))  # even empty: one chunk per block paces the client
                 if finish is None and job.cancelled.is_set():
                     finish = "cancelled"
                 if finish is not None:

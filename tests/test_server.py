@@ -308,3 +308,18 @@ def test_reasoning_effort_and_chat_template_kwargs_reach_the_template(engine):
         "Hello there|think=False"
     with pytest.raises(APIError, match="must be one of on, off"):
         render({"reasoning_effort": "high"}, qwen)
+
+
+def test_serve_option_errors_are_one_line(server, tiny):
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli import app
+
+    base = ["serve", "--model", str(tiny.target), "--draft", str(tiny.draft)]
+    for extra, msg in ((["--port", str(server.port)], f"cannot listen on 127.0.0.1:{server.port} "
+                        "(Address already in use)"),
+                       (["--queue-size", "0"], "--queue-size must be at least 1"),
+                       (["--log-level", "loud"], "--log-level must be one of"),
+                       (["--temp", "-1"], "temperature must be")):
+        r = CliRunner().invoke(app, base + extra)
+        assert r.exit_code == 2 and msg in r.stderr and r.stderr.count("\n") == 1, r.output
