@@ -7,7 +7,6 @@ Heavy imports (mlx, the engine) happen inside the commands.
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -16,83 +15,12 @@ from typing import Annotated, Optional
 import typer
 
 from . import render
-from .errors import DFlashError, InvalidArgumentError
-
-DEFAULT_MAX_TOKENS = 256
-DEFAULT_BLOCK_SIZE = "5"
-
-
-class App(typer.Typer):
-    """A Typer app whose commands all turn a DFlashError into one line and exit code 2."""
-
-    def command(self, *args, **kwargs):
-        register = super().command(*args, **kwargs)
-
-        def decorator(f):
-            @functools.wraps(f)
-            def guarded(*a, **k):
-                try:
-                    return f(*a, **k)
-                except DFlashError as e:
-                    render.error(str(e))
-                    raise typer.Exit(2) from None
-
-            register(guarded)
-            return f
-
-        return decorator
-
-
-app = App(
-    name="dflash-mlx",
-    help="Exact block-diffusion speculative decoding (DFlash) on MLX.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_show_locals=False,
+from .cli_options import (  # the app and the options shared with cli_more
+    DEFAULT_BLOCK_SIZE, DEFAULT_MAX_TOKENS, R, ApiKeyOpt, BackendOpt, BaseUrlOpt, BlockSizeOpt,
+    DraftBitsOpt, DraftOpt, MaxTokensOpt, ModelOpt, NoDraftOpt, NoTemplateOpt, ReasoningOpt,
+    SeedOpt, SystemOpt, TempOpt, TopKOpt, TopPOpt, WeightsOpt, app,
 )
-
-# Options shared by the commands that load a pair (generate, benchmark, chat, ...).
-M, S = "Model", "Sampling"
-ModelOpt = Annotated[Optional[str], typer.Option(
-    "--model", help="models.toml name, Hub repo id or local path (default: the embedded demo "
-    "pair).", rich_help_panel=M)]
-DraftOpt = Annotated[Optional[str], typer.Option(
-    "--draft", "--draft-model", help="DFlash draft repo id or path (default: from models.toml).",
-    rich_help_panel=M)]
-NoDraftOpt = Annotated[bool, typer.Option(
-    "--no-draft", help="Plain autoregressive decoding through the same target code.",
-    rich_help_panel=M)]
-DraftBitsOpt = Annotated[int, typer.Option(
-    help="Quantize the draft at load to 4 or 8 bits (group 64); 16 keeps it.", rich_help_panel=M)]
-WeightsOpt = Annotated[str, typer.Option(
-    help="auto | quantized | float32 | bfloat16. auto: float32 on the CPU device (so wider "
-    "verify pays), as loaded on a GPU.", rich_help_panel=M)]
-BlockSizeOpt = Annotated[str, typer.Option(
-    "--block-size", help="Verify width: the last token + B-1 drafted ones, 2..the draft's trained "
-    "size; or 'auto' (from the measured verify cost on this machine, see `doctor`).",
-    rich_help_panel=M)]
-MaxTokensOpt = Annotated[int, typer.Option(help="Most tokens to generate.", rich_help_panel=S)]
-TempOpt = Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.", rich_help_panel=S)]
-TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].", rich_help_panel=S)]
-TopKOpt = Annotated[int, typer.Option(help="Keep the k most likely tokens; 0 keeps all.",
-                                      rich_help_panel=S)]
-SeedOpt = Annotated[Optional[int], typer.Option(help="PRNG seed for sampling.", rich_help_panel=S)]
-ReasoningOpt = Annotated[Optional[str], typer.Option(
-    help="off/on, or a level the model supports (see `dflash-mlx models`); passed to the chat "
-    "template as the registry says.", rich_help_panel=S)]
-SystemOpt = Annotated[Optional[str], typer.Option("--system-prompt", help="System message.",
-                                                  rich_help_panel=S)]
-NoTemplateOpt = Annotated[bool, typer.Option(
-    "--no-chat-template", help="Tokenize the prompt as is.", rich_help_panel=S)]
-R = "Remote server"
-BackendOpt = Annotated[str, typer.Option(
-    help="local: run the engine here. openai: drive an OpenAI-compatible server at --base-url "
-    "(dflash-mlx serve, vLLM, SGLang, llama.cpp, mlx_lm.server); --model is then the served "
-    "model name (default: the server's).", rich_help_panel=R)]
-BaseUrlOpt = Annotated[Optional[str], typer.Option(
-    help="The server, e.g. http://127.0.0.1:8000/v1.", rich_help_panel=R)]
-ApiKeyOpt = Annotated[Optional[str], typer.Option(
-    envvar="DFLASH_MLX_API_KEY", help="Bearer token for the server.", rich_help_panel=R)]
+from .errors import InvalidArgumentError
 
 
 def _say(quiet: bool):
@@ -376,129 +304,8 @@ def benchmark(
         render.note(f"card written to {out}")
 
 
-@app.command()
-def chat(
-    model: ModelOpt = None,
-    draft: DraftOpt = None,
-    no_draft: NoDraftOpt = False,
-    block_size: BlockSizeOpt = DEFAULT_BLOCK_SIZE,
-    draft_bits: DraftBitsOpt = 4,
-    weights: WeightsOpt = "auto",
-    max_tokens: MaxTokensOpt = 2048,
-    temp: TempOpt = 0.0,
-    top_p: TopPOpt = 1.0,
-    top_k: TopKOpt = 0,
-    seed: SeedOpt = None,
-    reasoning: ReasoningOpt = None,
-    system_prompt: SystemOpt = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Reopen the last saved chat.")] = False,
-):
-    """Chat in a terminal UI that shows what speculation is doing (Ctrl+Q quits)."""
-    from tui.launch import registry_loader, run_chat
-    from tui.settings import ChatSettings
-
-    from . import prepare
-
-    prepare.check_sampling(max_tokens, temp, top_p, top_k, seed)
-    prepare.check_load_options(draft_bits, weights)
-    (requested,) = [1] if no_draft else prepare.parse_block_sizes(block_size, allow_list=False)
-    settings = ChatSettings(block_size=requested if isinstance(requested, int) else 5,
-                            temperature=temp, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                            seed=seed, reasoning=reasoning, system_prompt=system_prompt)
-    loader = registry_loader(settings, model=model, draft=draft, no_draft=no_draft,
-                             draft_bits=draft_bits, weights=weights, block_size=requested)
-    raise typer.Exit(run_chat(settings, loader, resume=resume))
-
-
-@app.command()
-def serve(
-    model: ModelOpt = None,
-    draft: DraftOpt = None,
-    no_draft: NoDraftOpt = False,
-    block_size: BlockSizeOpt = DEFAULT_BLOCK_SIZE,
-    draft_bits: DraftBitsOpt = 4,
-    weights: WeightsOpt = "auto",
-    host: Annotated[str, typer.Option(
-        help="Address to listen on; 0.0.0.0 opens the server to the network.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port; 0 picks a free one.")] = 8000,
-    api_key: Annotated[Optional[str], typer.Option(
-        envvar="DFLASH_MLX_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*.")] = None,
-    served_model_name: Annotated[Optional[str], typer.Option(
-        help="The model id clients send (default: the models.toml name, or --model).")] = None,
-    queue_size: Annotated[int, typer.Option(
-        help="Requests that may wait while one generates; beyond that, 503.")] = 64,
-    log_level: Annotated[str, typer.Option(help="uvicorn log level (info: one line per "
-                                           "request).")] = "info",
-    max_tokens: Annotated[int, typer.Option(
-        help="Most tokens when a request sets none.", rich_help_panel=S)] = DEFAULT_MAX_TOKENS,
-    temp: Annotated[float, typer.Option(
-        help="Temperature when a request sets none; 0 is greedy.", rich_help_panel=S)] = 0.0,
-    top_p: Annotated[float, typer.Option(help="top_p when a request sets none.",
-                                         rich_help_panel=S)] = 1.0,
-    top_k: Annotated[int, typer.Option(help="top_k when a request sets none; 0 keeps all.",
-                                       rich_help_panel=S)] = 0,
-):
-    """Serve the pair over an OpenAI-compatible API: /v1/chat/completions, /v1/completions
-    (streaming or not), /v1/models, /health. One generation at a time, the rest queued."""
-    from . import prepare, registry, server_cli
-
-    prepare.check_sampling(max_tokens, temp, top_p, top_k, None)
-    (requested,) = [1] if no_draft else prepare.parse_block_sizes(block_size, allow_list=False)
-    server_cli.serve(registry.resolve(model, draft, no_draft), requested, draft_bits=draft_bits,
-                     weights=weights, host=host, port=port, api_key=api_key,
-                     model_name=served_model_name, queue_size=queue_size, log_level=log_level,
-                     defaults={"max_tokens": max_tokens, "temperature": temp, "top_p": top_p,
-                               "top_k": top_k})
-
-
-@app.command("train-draft")
-def train_draft(
-    out: Annotated[Path, typer.Option(help="Output folder: the draft (z-lab format) and its "
-                                      "checkpoints.")],
-    model: Annotated[Optional[str], typer.Option(
-        help="Target: path, Hub repo or .gguf (default: the embedded SmolLM2 target).")] = None,
-    features: Annotated[Optional[Path], typer.Option(
-        help="Feature cache folder (default OUT/features); built once when empty.")] = None,
-    prompts: Annotated[int, typer.Option(help="Chat prompts the target answers itself.")] = 384,
-    max_tokens: Annotated[int, typer.Option(help="Longest self-distilled answer.")] = 160,
-    batch: Annotated[int, typer.Option(help="Prompts decoded together while distilling.")] = 32,
-    sampled_fraction: Annotated[float, typer.Option(
-        help="Share of answers sampled at T=0.7 instead of greedy.")] = 0.25,
-    text: Annotated[Optional[list[Path]], typer.Option(
-        help="Plain-text files to teacher-force as extra data (repeatable).")] = None,
-    layers: Annotated[int, typer.Option(help="Draft decoder layers.")] = 2,
-    block_size: Annotated[int, typer.Option(help="Trained block size (inference may use ≤).")] = 8,
-    steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 4000,
-    lr: Annotated[float, typer.Option(help="Peak AdamW learning rate.")] = 6e-4,
-    heldout: Annotated[int, typer.Option(help="Sequences held out for the τ estimate.")] = 24,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from OUT's checkpoint.")] = False,
-    seed: Annotated[int, typer.Option(help="Data and initialisation seed.")] = 0,
-    vocab: Annotated[int, typer.Option(
-        help="Ship a restricted proposal head of this many frequent tokens (0: none).")] = 8192,
-    weights: WeightsOpt = "auto",
-):
-    """Train a DFlash draft for a target: self-distilled features, then block training."""
-    from . import train_cli
-
-    if model is None:
-        from .registry import default_pair
-
-        model = str(default_pair(draft=False, progress=render.note)[0])
-    train_cli.run(model, out, features=features, prompts=prompts, max_tokens=max_tokens,
-                  batch=batch, sampled_fraction=sampled_fraction, texts=text or [],
-                  layers=layers, block_size=block_size, steps=steps, lr=lr, heldout=heldout,
-                  resume=resume, seed=seed, weights=weights, vocab=vocab)
-
-
-@app.command("fetch-demo")
-def fetch_demo():
-    """Download the embedded demo target (SmolLM2-135M-Instruct GGUF, 98 MB) through pip."""
-    try:
-        from .demo import demo_target_path
-    except ImportError:
-        raise DFlashError("the demo target is not available in this build") from None
-    typer.echo(str(demo_target_path(fetch=True, progress=render.note)))
-
+# chat, serve, train-draft, fetch-demo live in cli_more; importing it registers them
+from . import cli_more  # noqa: E402,F401  (registers its commands)
 
 if __name__ == "__main__":
     app()
