@@ -53,8 +53,9 @@ class OracleDraft(DFlashDraftModel):
         return mx.array(out, dtype=mx.uint32), q
 
 
-class RecordingTarget(Target):
-    """Keeps the logits of every verify pass (the greedy invariant is checked against them)."""
+class Recording:
+    """Mixin for a Target class: keeps the logits of every pass (the greedy invariant is
+    checked against them)."""
 
     def __init__(self, model, tap_ids=None):
         super().__init__(model, tap_ids)
@@ -64,6 +65,10 @@ class RecordingTarget(Target):
         logits, t = super().__call__(ids, cache, taps)
         self.passes.append(logits[0])
         return logits, t
+
+
+class RecordingTarget(Recording, Target):
+    pass
 
 
 def cache_arrays(cache: list, length: int) -> list[tuple[mx.array, mx.array]]:

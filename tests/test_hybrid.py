@@ -19,6 +19,7 @@ from dflash_mlx.draft import DFlashDraftModel
 from dflash_mlx.hybrid import HybridCache, HybridTarget, RollbackError, _CapturingGDN
 from dflash_mlx.target import Target
 from dflash_mlx.verify import SamplingParams, sampling_probs
+from engine_support import Recording
 from test_dflash2 import pooled_chisquare
 
 V = tiny.VOCAB_SIZE
@@ -54,17 +55,8 @@ class ScriptedDraft(DFlashDraftModel):
         return mx.array(out, dtype=mx.uint32), q
 
 
-class RecordingHybrid(HybridTarget):
-    """Keeps each pass's logits (the greedy invariant is checked against them)."""
-
-    def __init__(self, model, tap_ids=None):
-        super().__init__(model, tap_ids)
-        self.passes: list[mx.array] = []
-
-    def __call__(self, ids, cache, taps=True):
-        logits, t = super().__call__(ids, cache, taps)
-        self.passes.append(logits[0])
-        return logits, t
+class RecordingHybrid(Recording, HybridTarget):
+    pass
 
 
 def mlx_lm_greedy(model, prompt, n):
