@@ -34,7 +34,8 @@ def head_rows(head: nn.Module, ids: mx.array) -> Callable[[mx.array], mx.array]:
     raise TypeError(f"cannot restrict a {type(head).__name__} head")
 
 
-def most_frequent(predictions: Iterable, size: int, always: Iterable[int] = ()) -> tuple[list[int], float]:
+def most_frequent(predictions: Iterable, size: int, always: Iterable[int] = (),
+                  vocab_size: int = 0) -> tuple[list[int], float]:
     """The `size` most frequent ids (plus `always`) and the share of predictions they cover."""
     counts = Counter()
     for chunk in predictions:
@@ -44,6 +45,12 @@ def most_frequent(predictions: Iterable, size: int, always: Iterable[int] = ()) 
         if len(keep) >= size:
             break
         keep[tok] = None
+    # Fewer distinct predictions than `size`: fill with the lowest ids. In a BPE vocabulary
+    # those are the earliest merges, the tokens most frequent in the tokenizer's own corpus.
+    tok = 0
+    while len(keep) < size and vocab_size and tok < vocab_size:
+        keep.setdefault(tok, None)
+        tok += 1
     total = sum(counts.values())
     covered = sum(counts[t] for t in keep) / total if total else 0.0
     return sorted(keep), covered

@@ -98,8 +98,10 @@ class BlockSampler:
     """Random anchors from feature shards, batched for `packed_hidden`."""
 
     def __init__(self, shards: list[FeatureShard], block_size: int, mask_id: int, seed: int):
-        self.items = [(s, i) for s in shards for i in range(s.num_sequences)
-                      if s.starts[i + 1] - s.starts[i] > block_size + 1]
+        # anchors from the last prompt token on: the answer is what the draft will meet
+        self.items = [(s, i, max(1, s.answer_start(i) - 1)) for s in shards
+                      for i in range(s.num_sequences)
+                      if s.starts[i + 1] - s.starts[i] - max(1, s.answer_start(i) - 1) > block_size]
         if not self.items:
             raise ValueError("no training sequence is longer than the block size")
         self.block, self.mask_id = block_size, mask_id
@@ -107,7 +109,7 @@ class BlockSampler:
 
     def batch(self, n_seqs: int, n_anchors: int):
         picks = [self.items[j] for j in self.rng.integers(0, len(self.items), n_seqs)]
-        seqs = [s.sequence(i) for s, i in picks]
+        seqs = [s.sequence(i) for s, i, _ in picks]
         L = max(len(t) for t, _, _ in seqs)
         F = seqs[0][2].shape[1]
         ctx = np.zeros((n_seqs, L, F), dtype=np.float16)
@@ -116,7 +118,7 @@ class BlockSampler:
         for k, (tok, pred, taps) in enumerate(seqs):
             ctx[k, : len(tok)] = taps
             hi = len(tok) - B + 1  # labels pred[a .. a+B-2] must exist
-            for a in self.rng.integers(1, hi + 1, n_anchors):
+            for a in self.rng.integers(picks[k][2], hi + 1, n_anchors):
                 blocks.append([tok[a]] + [self.mask_id] * (B - 1))
                 labels.append(pred[a : a + B - 1])
                 seq_of.append(k)

@@ -70,7 +70,8 @@ def write_vocab(draft, out: Path, shards, held, size: int) -> None:
     from . import draft_vocab
     from .train import BlockSampler, heldout_tau
 
-    ids, coverage = draft_vocab.most_frequent((s.preds for s in shards), size)
+    ids, coverage = draft_vocab.most_frequent((s.preds for s in shards), size,
+                                              vocab_size=draft.config.vocab_size)
     draft_vocab.save(out, ids, coverage, f"top {size} target predictions of the training data")
     cfg = draft.config
     batches = [BlockSampler(held, cfg.block_size, cfg.mask_token_id, 7).batch(8, 8)

@@ -134,7 +134,7 @@ def self_distill_features(target: Target, tokenizer, prompts: list[str], out_dir
                     if int(tok[r, i]) in eos:
                         n = i + 1
                         break
-                writer.add(tok[r, :n], prd[r, :n], tap[r, :n])
+                writer.add(tok[r, :n], prd[r, :n], tap[r, :n], answer=len(batch[r]))
             done += len(batch)
             if progress:
                 progress(done, len(prompts))
@@ -164,10 +164,15 @@ class FeatureShard:
     preds: np.ndarray  # (N,) int32, target argmax for the *next* position
     taps: np.ndarray  # (N, n_taps * hidden) float16
     starts: np.ndarray  # (S + 1,) int64 sequence boundaries
+    answers: np.ndarray | None = None  # (S,) where each answer starts (None: everywhere)
 
     def sequence(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         a, b = self.starts[i], self.starts[i + 1]
         return self.tokens[a:b], self.preds[a:b], self.taps[a:b]
+
+    def answer_start(self, i: int) -> int:
+        """First position the draft is trained to predict from (0 for plain text)."""
+        return 0 if self.answers is None else int(self.answers[i])
 
     @property
     def num_sequences(self) -> int:
@@ -187,9 +192,10 @@ class ShardWriter:
             {"tap_ids": target.tap_ids, "hidden_size": target.hidden_size}, indent=2))
 
     def _reset(self):
-        self.toks, self.preds, self.taps, self.starts = [], [], [], [0]
+        self.toks, self.preds, self.taps, self.starts, self.answers = [], [], [], [0], []
 
-    def add(self, tokens: np.ndarray, preds: np.ndarray, taps: np.ndarray):
+    def add(self, tokens: np.ndarray, preds: np.ndarray, taps: np.ndarray, answer: int = 0):
+        self.answers.append(answer)
         self.toks.append(np.asarray(tokens, dtype=np.int32))
         self.preds.append(np.asarray(preds, dtype=np.int32))
         self.taps.append(np.asarray(taps, dtype=np.float16))
@@ -203,7 +209,8 @@ class ShardWriter:
             return
         tmp = self.out / f".shard_{self.index:04d}.tmp.npz"
         np.savez(tmp, tokens=np.concatenate(self.toks), preds=np.concatenate(self.preds),
-                 taps=np.concatenate(self.taps), starts=np.array(self.starts, dtype=np.int64))
+                 taps=np.concatenate(self.taps), starts=np.array(self.starts, dtype=np.int64),
+                 answers=np.array(self.answers, dtype=np.int64))
         tmp.rename(self.out / f"shard_{self.index:04d}.npz")  # a shard is whole or absent
         self.index += 1
         self._reset()
@@ -234,7 +241,8 @@ def load_shards(folder: Path) -> list[FeatureShard]:
     shards = []
     for f in sorted(Path(folder).glob("shard_*.npz")):
         z = np.load(f)
-        shards.append(FeatureShard(z["tokens"], z["preds"], z["taps"], z["starts"]))
+        answers = z["answers"] if "answers" in z.files else None
+        shards.append(FeatureShard(z["tokens"], z["preds"], z["taps"], z["starts"], answers))
     return shards
 
 
@@ -245,7 +253,9 @@ def split_heldout(shards: list[FeatureShard], n_sequences: int) -> tuple[list, l
     if k < 1:
         raise ValueError("not enough sequences to hold some out")
     cut = last.starts[k]
-    train = FeatureShard(last.tokens[:cut], last.preds[:cut], last.taps[:cut], last.starts[: k + 1])
+    ans = (None, None) if last.answers is None else (last.answers[:k], last.answers[k:])
+    train = FeatureShard(last.tokens[:cut], last.preds[:cut], last.taps[:cut],
+                         last.starts[: k + 1], ans[0])
     held = FeatureShard(last.tokens[cut:], last.preds[cut:], last.taps[cut:],
-                        last.starts[k:] - cut)
+                        last.starts[k:] - cut, ans[1])
     return shards[:-1] + [train], [held]

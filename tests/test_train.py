@@ -116,3 +116,27 @@ def test_packed_forward_equals_inference_forward(trained):
         packed = packed_hidden(draft, block, ctx, mx.array([0]), mx.array([a]))
         live = draft(block, ctx[:, :a], draft.make_cache())
         assert mx.allclose(packed, live, atol=1e-5).item()
+
+
+def test_anchors_come_from_answers_only():
+    """Prompts (a shared system prompt above all) are easy to memorise and never drafted at
+    inference: anchors start at the last prompt token, so held-out τ measures answers only."""
+    import numpy as np
+
+    from dflash_mlx.train_data import FeatureShard
+
+    lengths, answers, bases = [40, 50, 12], [30, 5, 0], [0, 100, 200]
+    tokens = np.concatenate([b + np.arange(n) for b, n in zip(bases, lengths)]).astype(np.int32)
+    n = len(tokens)
+    shard = FeatureShard(tokens, np.zeros(n, np.int32), np.zeros((n, 4), np.float16),
+                         np.cumsum([0] + lengths), np.array(answers))
+    sampler = BlockSampler([shard], 5, 250, seed=0)
+    seen = set()
+    for _ in range(30):
+        blocks, _, _, anchors, _ = sampler.batch(3, 8)
+        for t, a in zip(blocks[:, 0].tolist(), anchors.tolist()):
+            seq = max(i for i, b in enumerate(bases) if t >= b)
+            assert t - bases[seq] == a  # slot 0 is the token at the anchor
+            assert a >= max(1, answers[seq] - 1)  # never inside the prompt
+            seen.add((seq, a))
+    assert (0, 29) in seen and (2, 1) in seen  # the last prompt token is an anchor

@@ -1,0 +1,46 @@
+"""Copy a trained draft checkpoint into the package as the embedded demo draft (bfloat16).
+
+Usage: python scripts/export_demo_draft.py CHECKPOINT_DIR FEATURES_DIR [--out dflash_mlx/demo_draft]
+
+Writes config.json, model.safetensors (bf16, z-lab key names) and draft_vocab.json (the 8,192
+most frequent target predictions of the training features, the restricted proposal head).
+"""
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import dflash_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx)
+import mlx.core as mx
+
+from dflash_mlx import draft_vocab
+from dflash_mlx.train_data import load_shards
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("checkpoint", type=Path)
+    ap.add_argument("features", type=Path)
+    ap.add_argument("--out", type=Path, default=Path("dflash_mlx/demo_draft"))
+    ap.add_argument("--vocab", type=int, default=8192)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((args.checkpoint / "config.json").read_text())
+    cfg["dtype"] = "bfloat16"
+    weights = mx.load(str(args.checkpoint / "model.safetensors"))
+    weights = {k: v.astype(mx.bfloat16) for k, v in weights.items()}
+    mx.save_safetensors(str(args.out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (args.out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    state = args.checkpoint / "trainer" / "state.json"
+    if state.exists():
+        shutil.copy(state, args.out / "training_log.json")
+    ids, coverage = draft_vocab.most_frequent((s.preds for s in load_shards(args.features)),
+                                              args.vocab, vocab_size=cfg["vocab_size"])
+    draft_vocab.save(args.out, ids, coverage,
+                     f"top {args.vocab} target predictions of the training features")
+    print(f"exported to {args.out}: {len(weights)} tensors, vocab {len(ids)} covers {coverage:.2%}")
+
+
+if __name__ == "__main__":
+    main()
