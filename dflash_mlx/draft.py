@@ -205,6 +205,7 @@ class DFlashDraftModel(nn.Module):
             b.head_ids = b.sub_head = None
         else:
             b.head_ids = mx.array(ids, dtype=mx.uint32)
+            mx.eval(b.head_ids)
             b.sub_head = head_rows(b.head_module, b.head_ids)
         return self
 

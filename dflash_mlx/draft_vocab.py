@@ -22,14 +22,18 @@ FILENAME = "draft_vocab.json"
 
 def head_rows(head: nn.Module, ids: mx.array) -> Callable[[mx.array], mx.array]:
     """logits over `ids` only, from the rows of an LM head or tied embedding (quantized or not)."""
+    # Gathered rows are evaluated here: a lazy graph built on this thread's stream cannot be
+    # evaluated later from another thread (a server's or the TUI's generation worker).
     if isinstance(head, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         w, s = head.weight[ids], head.scales[ids]
         b = head["biases"][ids] if "biases" in head else None
+        mx.eval(w, s, *([b] if b is not None else []))
         gs, bits, mode = head.group_size, head.bits, getattr(head, "mode", "affine")
         return lambda h: mx.quantized_matmul(h, w, s, b, transpose=True, group_size=gs,
                                              bits=bits, mode=mode)
     if isinstance(head, (nn.Linear, nn.Embedding)):
         w = head.weight[ids]
+        mx.eval(w)
         return lambda h: h @ w.T
     raise TypeError(f"cannot restrict a {type(head).__name__} head")
 

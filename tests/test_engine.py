@@ -287,3 +287,29 @@ def test_restricted_draft_head(tiny_dirs, tmp_path, weights):
     ar = [x for e in _run(part, [3, 4, 5, 6], max_tokens=16, block_size=1) for x in e.tokens]
     assert spec == ar
     assert load(t, folder, weights=weights, draft_vocab=False).draft._borrowed.head_ids is None
+
+
+def test_restricted_head_generates_from_another_thread(tiny_dirs, tmp_path):
+    """Servers and the TUI generate on a worker thread: nothing built lazily at load may be
+    left for that thread to evaluate (MLX streams are per thread)."""
+    import shutil
+    import threading
+
+    from dflash_mlx import draft_vocab
+
+    folder = tmp_path / "draft"
+    shutil.copytree(tiny_dirs[1], folder)
+    draft_vocab.save(folder, list(range(0, tiny.VOCAB_SIZE, 2)), 0.5, "test")
+    pair = load(tiny_dirs[0], folder)
+    out, errors = [], []
+
+    def worker():
+        try:
+            out.extend(t for e in stream_generate(pair, [3, 4, 5], max_tokens=8) for t in e.tokens)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    th = threading.Thread(target=worker)
+    th.start()
+    th.join()
+    assert not errors and len(out) == 8
