@@ -57,6 +57,18 @@ def greedy_accept(drafted: list[int], target_argmax: list[int]) -> tuple[int, in
     return accepted, target_argmax[accepted]
 
 
+def accept_prefix(drafted: mx.array, target_probs: mx.array, draft_probs: mx.array | None,
+                  key: mx.array) -> int:
+    """How many leading draft slots pass the test u·q(d) < p(d) (q = 1 for one-hot proposals)."""
+    gamma = drafted.shape[0]
+    rows = mx.arange(gamma)
+    p = target_probs[rows, drafted]
+    q = mx.ones_like(p) if draft_probs is None else draft_probs[rows, drafted]
+    u = mx.random.uniform(shape=(gamma,), key=key)
+    ok = (u * q < p).tolist()
+    return ok.index(False) if False in ok else gamma
+
+
 def rejection_sample(
     drafted: mx.array,
     target_probs: mx.array,
@@ -80,12 +92,7 @@ def rejection_sample(
     k_accept, k_next = mx.random.split(key)
     if gamma == 0:
         return 0, mx.random.categorical(mx.log(target_probs[0]), key=k_next).item()
-    rows = mx.arange(gamma)
-    p = target_probs[rows, drafted]
-    q = mx.ones_like(p) if draft_probs is None else draft_probs[rows, drafted]
-    u = mx.random.uniform(shape=(gamma,), key=k_accept)
-    ok = (u * q < p).tolist()
-    accepted = ok.index(False) if False in ok else gamma
+    accepted = accept_prefix(drafted, target_probs, draft_probs, k_accept)
     dist = target_probs[accepted]
     if accepted < gamma:
         if draft_probs is None:

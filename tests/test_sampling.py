@@ -27,7 +27,9 @@ from scipy import stats
 
 from dflash_mlx import Session, load, stream_generate, tiny
 from dflash_mlx.draft import DFlashDraftModel
-from dflash_mlx.verify import SamplingParams, greedy_accept, rejection_sample, sampling_probs
+from dflash_mlx.verify import (
+    SamplingParams, accept_prefix, greedy_accept, rejection_sample, sampling_probs,
+)
 
 ALPHA = 0.01
 N_DRAWS = 20_000
@@ -275,14 +277,8 @@ def run_function_case(pair, case: Case, sampler: Sampler, n: int, seed_offset: i
 
 def broken_no_residual(drafted, target_probs, draft_probs, key):
     """rejection_sample whose bonus after a rejection is drawn from p, not max(p − q, 0)."""
-    gamma = drafted.shape[0]
     k_accept, k_next = mx.random.split(key)
-    rows = mx.arange(gamma)
-    p = target_probs[rows, drafted]
-    q = mx.ones_like(p) if draft_probs is None else draft_probs[rows, drafted]
-    u = mx.random.uniform(shape=(gamma,), key=k_accept)
-    ok = (u * q < p).tolist()
-    accepted = ok.index(False) if False in ok else gamma
+    accepted = accept_prefix(drafted, target_probs, draft_probs, k_accept)
     dist = target_probs[accepted]  # BUG: never subtracts the draft's mass
     return accepted, mx.random.categorical(mx.log(dist), key=k_next).item()
 
@@ -291,12 +287,7 @@ def broken_wrong_row(drafted, target_probs, draft_probs, key):
     """rejection_sample that forgets the accepted offset: the next token always uses row 0."""
     gamma = drafted.shape[0]
     k_accept, k_next = mx.random.split(key)
-    rows = mx.arange(gamma)
-    p = target_probs[rows, drafted]
-    q = mx.ones_like(p) if draft_probs is None else draft_probs[rows, drafted]
-    u = mx.random.uniform(shape=(gamma,), key=k_accept)
-    ok = (u * q < p).tolist()
-    accepted = ok.index(False) if False in ok else gamma
+    accepted = accept_prefix(drafted, target_probs, draft_probs, k_accept)
     dist = target_probs[0]  # BUG: should be target_probs[accepted]
     if accepted < gamma:
         q_row = (mx.arange(dist.shape[0]) == drafted[accepted]) if draft_probs is None \
