@@ -115,6 +115,9 @@ def train_draft(
     seed: Annotated[int, typer.Option(help="Data and initialisation seed.")] = 0,
     vocab: Annotated[int, typer.Option(
         help="Ship a restricted proposal head of this many frequent tokens (0: none).")] = 8192,
+    restricted_loss: Annotated[bool, typer.Option(
+        "--restricted-loss/--full-loss",
+        help="Train through the restricted head the draft proposes from (faster), or the full one.")] = True,
     weights: WeightsOpt = "auto",
 ):
     """Train a DFlash draft for a target: self-distilled features, then block training."""
@@ -127,7 +130,8 @@ def train_draft(
     train_cli.run(model, out, features=features, prompts=prompts, max_tokens=max_tokens,
                   batch=batch, sampled_fraction=sampled_fraction, texts=text or [],
                   layers=layers, block_size=block_size, steps=steps, lr=lr, heldout=heldout,
-                  resume=resume, seed=seed, weights=weights, vocab=vocab)
+                  resume=resume, seed=seed, weights=weights, vocab=vocab,
+                  restricted_loss=restricted_loss)
 
 
 @app.command("fetch-demo")

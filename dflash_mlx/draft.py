@@ -254,7 +254,9 @@ class DFlashDraftModel(nn.Module):
         return self.norm(h)
 
     def logits(self, hidden: mx.array) -> mx.array:
-        out = self._borrowed.lm_head(hidden)
+        return self._shape_logits(self._borrowed.lm_head(hidden))
+
+    def _shape_logits(self, out: mx.array) -> mx.array:
         cfg = self.config
         if cfg.output_multiplier != 1.0:
             out = out * cfg.output_multiplier
@@ -275,6 +277,13 @@ class DFlashDraftModel(nn.Module):
         """
         hidden = self(block_ids, context, cache)
         return self.greedy_tokens(hidden[:, 1:])[0], None
+
+    def proposal_logits(self, hidden: mx.array) -> mx.array:
+        """Logits over the ids the draft proposes from: the restricted head's rows when set."""
+        b = self._borrowed
+        if b.head_ids is None:
+            return self.logits(hidden)
+        return self._shape_logits(b.sub_head(hidden))
 
     def greedy_tokens(self, hidden: mx.array) -> mx.array:
         """Per-slot argmax ids, through the restricted head when one is set."""

@@ -42,6 +42,9 @@ class TrainConfig:
     eval_block_size: int = 5
     checkpoint_every: int = 200
     seed: int = 0
+    # >0: train through the restricted proposal head (the `head_vocab` ids most often
+    # predicted in the training data), the head the draft uses at inference
+    head_vocab: int = 0
 
 
 @dataclass
@@ -134,10 +137,29 @@ def position_weights(block_size: int, decay: float) -> mx.array:
 
 
 def block_loss(draft, blocks, ctx, seq_of, anchors, labels, weights) -> mx.array:
+    """Position-weighted CE; labels < 0 (outside a restricted head) carry no loss."""
     h = packed_hidden(draft, blocks, ctx, seq_of, anchors)
-    logits = draft.logits(h[:, 1:]).astype(mx.float32)
-    ce = nn.losses.cross_entropy(logits, labels)  # (N, B-1)
-    return (ce * weights).sum() / (weights.sum() * ce.shape[0])
+    logits = draft.proposal_logits(h[:, 1:]).astype(mx.float32)
+    ce = nn.losses.cross_entropy(logits, mx.maximum(labels, 0))  # (N, B-1)
+    return (ce * weights * (labels >= 0)).sum() / (weights.sum() * ce.shape[0])
+
+
+def restrict_for_training(draft, shards: list[FeatureShard], size: int, out_dir: Path) -> mx.array:
+    """Restrict the draft's head to the `size` most frequent training predictions.
+
+    Writes draft_vocab.json next to the checkpoint (inference must use the same ids) and
+    returns the map from full-vocabulary label ids to head rows (-1: not proposable).
+    """
+    from . import draft_vocab
+
+    ids, coverage = draft_vocab.most_frequent((s.preds for s in shards), size,
+                                              vocab_size=draft.config.vocab_size)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    draft_vocab.save(out_dir, ids, coverage, f"top {size} target predictions of the training data")
+    draft.restrict_head(ids)
+    rows = np.full(draft.config.vocab_size, -1, dtype=np.int32)
+    rows[ids] = np.arange(len(ids), dtype=np.int32)
+    return mx.array(rows)
 
 
 def heldout_tau(draft, batches: list, block_size: int) -> tuple[float, list[float]]:
@@ -188,9 +210,12 @@ def train(draft: DFlashDraftModel, train_shards: list[FeatureShard],
     # the same held-out anchors at every evaluation, so the τ curve is comparable
     eval_batches = [evals.batch(8, 8) for _ in range(max(1, cfg.eval_blocks // 64))]
     weights = position_weights(B, cfg.decay)
+    out_dir = Path(out_dir)
+    rows = None
+    if cfg.head_vocab:
+        rows = restrict_for_training(draft, train_shards, cfg.head_vocab, out_dir)
     opt = optim.AdamW(learning_rate=cfg.lr, weight_decay=cfg.weight_decay)
     start, log = 0, []
-    out_dir = Path(out_dir)
     if resume and (out_dir / "trainer" / "state.json").exists():
         state = json.loads((out_dir / "trainer" / "state.json").read_text())
         start, log = state["step"], state["log"]
@@ -202,6 +227,8 @@ def train(draft: DFlashDraftModel, train_shards: list[FeatureShard],
     for step in range(start, cfg.steps):
         opt.learning_rate = lr_at(step, cfg)
         batch = sampler.batch(cfg.seqs_per_step, cfg.anchors_per_seq)
+        if rows is not None:
+            batch = (*batch[:4], rows[batch[4]])
         loss, grads = loss_and_grad(draft, *batch, weights)
         grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
         opt.update(draft, grads)

@@ -5,7 +5,6 @@ CLI-side code (it prints); the engine part is `train_data.py` and `train.py`.
 
 from __future__ import annotations
 
-import random
 import sys
 import time
 from pathlib import Path
@@ -18,25 +17,10 @@ from .errors import InvalidArgumentError
 console = Console(stderr=True)
 
 
-def bucketed_prompts(tokenizer, n: int, batch: int, seed: int) -> list[str]:
-    """`n` varied prompts in whole batches of one token length (batched decoding, no padding)."""
-    from .train_data import chat_prompts
-
-    buckets: dict[int, list[str]] = {}
-    for p in chat_prompts(n * 8, seed=seed):
-        buckets.setdefault(len(tokenizer.encode(p)), []).append(p)
-    prompts: list[str] = []
-    for group in sorted(buckets.values(), key=len, reverse=True):
-        prompts += group[:batch]
-        if len(prompts) >= n:
-            break
-    random.Random(seed).shuffle(prompts)
-    return prompts
-
-
 def build_features(pair, out: Path, *, prompts: int, max_tokens: int, batch: int,
                    sampled_fraction: float, texts: list[Path], seed: int) -> int:
-    from .train_data import extract_features, self_distill_features, text_sequences
+    from .train_data import (bucketed_prompts, extract_features, self_distill_features,
+                             text_sequences)
 
     chosen = bucketed_prompts(pair.tokenizer, prompts, batch, seed)
     n_greedy = int(len(chosen) * (1 - sampled_fraction))
@@ -70,9 +54,11 @@ def write_vocab(draft, out: Path, shards, held, size: int) -> None:
     from . import draft_vocab
     from .train import BlockSampler, heldout_tau
 
+    # the same ids the trainer restricted to when the loss went through them (deterministic)
     ids, coverage = draft_vocab.most_frequent((s.preds for s in shards), size,
                                               vocab_size=draft.config.vocab_size)
     draft_vocab.save(out, ids, coverage, f"top {size} target predictions of the training data")
+    draft.restrict_head(None)
     cfg = draft.config
     batches = [BlockSampler(held, cfg.block_size, cfg.mask_token_id, 7).batch(8, 8)
                for _ in range(8)]
@@ -87,7 +73,7 @@ def write_vocab(draft, out: Path, shards, held, size: int) -> None:
 def run(model: str, out: Path, *, features: Path | None, prompts: int, max_tokens: int,
         batch: int, sampled_fraction: float, texts: list[Path], layers: int, block_size: int,
         steps: int, lr: float, heldout: int, resume: bool, seed: int, weights: str,
-        vocab: int = 8192) -> None:
+        vocab: int = 8192, restricted_loss: bool = True) -> None:
     import mlx.core as mx
 
     from .draft import DFlashDraftModel
@@ -118,7 +104,8 @@ def run(model: str, out: Path, *, features: Path | None, prompts: int, max_token
                   f"taps {cfg.target_layer_ids}")
     mx.random.seed(seed)
     draft = DFlashDraftModel(cfg).bind(pair.target)
-    tc = TrainConfig(steps=steps, lr=lr, seed=seed)
+    tc = TrainConfig(steps=steps, lr=lr, seed=seed,
+                     head_vocab=vocab if vocab and restricted_loss else 0)
     with Progress(TextColumn("[bold]training"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                   console=console) as bar:

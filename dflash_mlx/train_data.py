@@ -32,6 +32,21 @@ SUBJECTS = [
     "public speaking", "gardening", "the Pythagorean theorem", "probability", "fractions",
     "supply and demand", "the periodic table", "evolution", "cloud computing", "encryption",
     "dinosaurs", "the Olympic Games", "marathon training", "bread baking", "recycling",
+    "the solar system", "photosynthesis in algae", "the Industrial Revolution", "batteries",
+    "the human brain", "artificial intelligence", "the Amazon rainforest", "glaciers",
+    "social media", "remote work", "budgeting", "credit scores", "nutrition labels",
+    "the Cold War", "ancient Egypt", "the Silk Road", "Shakespeare", "impressionism",
+    "photography", "video games", "electric guitars", "classical music", "film editing",
+    "the stock exchange", "taxes", "small businesses", "negotiation", "leadership",
+    "team work", "learning a language", "the scientific method", "statistics", "calculus",
+    "linear algebra", "matrices", "logarithms", "geometry", "graph theory", "databases",
+    "operating systems", "compilers", "version control", "unit testing", "APIs",
+    "web browsers", "password security", "open source software", "3D printing", "robots",
+    "self-driving cars", "airplanes", "rockets", "submarines", "bridges", "skyscrapers",
+    "wind turbines", "nuclear power", "air pollution", "biodiversity", "coral reefs",
+    "migration of birds", "cats", "dogs", "wolves", "elephants", "octopuses", "mushrooms",
+    "tea", "chocolate", "pizza", "spices", "fermentation", "running shoes", "yoga",
+    "the Moon", "Mars", "comets", "the Big Bang", "magnetism", "electricity", "sound waves",
 ]
 TEMPLATES = [
     "What is {s}?", "Explain {s} in simple terms.", "Give me three interesting facts about {s}.",
@@ -41,6 +56,17 @@ TEMPLATES = [
     "Write a haiku about {s}.", "List the pros and cons of {s}.", "Tell me a fun story involving {s}.",
     "What should a beginner know about {s}?", "Compare {s} and {t}.",
     "Write a short email to a friend recommending they learn about {s}.",
+    "Write a blog post introduction about {s}.", "Describe {s} in two sentences.",
+    "What is the connection between {s} and {t}?", "Write a limerick about {s}.",
+    "Pretend you are a teacher. Give a short lesson on {s}.",
+    "What are the biggest open questions about {s}?", "How has {s} changed over time?",
+    "Give a step-by-step guide to getting started with {s}.",
+    "Write a persuasive paragraph arguing that everyone should care about {s}.",
+    "Create a short quiz with three questions about {s}.",
+    "Write a dialogue between two friends discussing {s}.",
+    "What would happen if {s} did not exist?", "Define {s} and give an example.",
+    "Write a product description for a book about {s}.",
+    "Explain how {s} affects everyday life.",
 ]
 CODE_TASKS = [
     "reverses a string", "checks whether a number is prime", "returns the factorial of n",
@@ -52,11 +78,27 @@ CODE_TASKS = [
     "computes the greatest common divisor of two numbers", "sorts a list of tuples by the second item",
     "returns the second largest number in a list", "checks whether two strings are anagrams",
     "implements binary search", "transposes a matrix", "validates an email address with a regex",
+    "returns the n-th triangular number", "counts the occurrences of a character in a string",
+    "returns the common elements of two lists", "checks whether a year is a leap year",
+    "converts a decimal number to binary", "finds the minimum of three numbers",
+    "capitalizes the first letter of every word", "returns the length of the longest word",
+    "rotates a list by k positions", "checks whether a list is sorted",
+    "computes the average of a list of numbers", "returns all even numbers from a list",
+    "replaces spaces in a string with underscores", "computes the power set of a set",
+    "finds the index of the first repeated character", "computes the area of a circle",
+    "splits a list into chunks of size n", "returns the median of a list",
+    "checks whether a number is a perfect square", "counts the lines in a text file",
+    "sums the squares of the first n natural numbers", "removes all vowels from a string",
+    "returns the product of all elements in a list", "finds the missing number in 1..n",
+    "converts a list of strings to integers", "checks whether parentheses are balanced",
 ]
 CODE_TEMPLATES = [
     "Write a Python function that {c}.", "Write a Python function that {c}. Include a docstring.",
     "How do I write a function in Python that {c}?", "Write a JavaScript function that {c}.",
     "Explain step by step how to write code that {c}.",
+    "Write a function that {c}.", "Write a Python program that {c} and prints the result.",
+    "Write a Python function that {c}, with two test cases.", "Write a C function that {c}.",
+    'Complete this Python function:\n\ndef solve(data):\n    """A function that {c}."""\n',
 ]
 MATH_TEMPLATES = [
     "A shop sells apples for ${a} each. Tom buys {b} apples and pays with a ${c} bill. "
@@ -66,6 +108,14 @@ MATH_TEMPLATES = [
     "What is {a} times {b}, plus {c}?",
     "A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter?",
     "If {a} workers build a wall in {b} days, how long would {c} workers take?",
+    "Solve for x: {a}x + {b} = {c}.", "What is the sum of the first {a} positive integers?",
+    "A recipe needs {b} eggs for {a} cookies. How many eggs are needed for {c} cookies?",
+    "Lisa reads {a} pages a day. How many days does she need for a {c}{b}-page book?",
+    "A car uses {b} liters of fuel per 100 km. How much fuel does it need for {a}0 km?",
+    "What is {a}% of {c}0?", "Find the remainder when {c}{a} is divided by {b}.",
+    "A class has {a} students and {b} of them are absent. What fraction is present?",
+    "John earns ${a} per hour and works {b} hours a week. How much does he earn in {c} weeks?",
+    "What is the least common multiple of {a} and {b}?",
 ]
 
 
@@ -85,6 +135,23 @@ def chat_prompts(n: int, seed: int = 0) -> list[str]:
             q = rng.choice(MATH_TEMPLATES).format(a=a, b=b, c=c)
             out[q + " Please reason step by step."] = None
     return list(out)
+
+
+def bucketed_prompts(tokenizer, n: int, batch: int, seed: int = 0) -> list[str]:
+    """`n` varied prompts in whole batches of one token length (batched decoding, no padding).
+
+    Draws many candidates and keeps whole batches from the most common lengths.
+    """
+    buckets: dict[int, list[str]] = {}
+    for p in chat_prompts(n * 8, seed=seed):
+        buckets.setdefault(len(_chat_ids(tokenizer, p)), []).append(p)
+    prompts: list[str] = []
+    for group in sorted(buckets.values(), key=len, reverse=True):
+        prompts += group[:batch]
+        if len(prompts) >= n:
+            break
+    random.Random(seed).shuffle(prompts)
+    return prompts
 
 
 def self_distill_features(target: Target, tokenizer, prompts: list[str], out_dir: Path, *,

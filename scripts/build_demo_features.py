@@ -1,12 +1,11 @@
 """Build the demo draft's training features: SmolLM2's own answers, taps and predictions.
 
-Usage: python scripts/build_demo_features.py OUT_DIR [--prompts 600] [--max-tokens 200]
+Usage: python scripts/build_demo_features.py OUT_DIR [--prompts 2560] [--max-tokens 160] [--batch 64]
 
 Writes one shard per batch of prompts, so training can start before the last one lands.
 """
 
 import argparse
-import random
 import sys
 import time
 
@@ -18,32 +17,22 @@ from dflash_mlx.demo import demo_target_path
 from dflash_mlx.gguf import load_gguf
 from dflash_mlx.load import convert_weights
 from dflash_mlx.target import Target
-from dflash_mlx.train_data import chat_prompts, self_distill_features
+from dflash_mlx.train_data import bucketed_prompts, self_distill_features
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--prompts", type=int, default=600)
-    ap.add_argument("--max-tokens", type=int, default=200)
-    ap.add_argument("--batch", type=int, default=48)
-    ap.add_argument("--sampled-fraction", type=float, default=0.25)
+    ap.add_argument("--prompts", type=int, default=2560)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--sampled-fraction", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     model, tok = load_gguf(demo_target_path())
     convert_weights(model, mx.float32)
     target = Target(model, build_target_layer_ids(len(model.layers), 5))
-    # Batches need prompts of one token length (no padding): draw many candidates and keep
-    # whole batches from the most common lengths.
-    buckets = {}
-    for p in chat_prompts(args.prompts * 8, seed=args.seed):
-        buckets.setdefault(len(tok.encode(p)), []).append(p)
-    prompts = []
-    for group in sorted(buckets.values(), key=len, reverse=True):
-        prompts += group[: args.batch]
-        if len(prompts) >= args.prompts:
-            break
-    random.Random(args.seed).shuffle(prompts)
+    prompts = bucketed_prompts(tok, args.prompts, args.batch, args.seed)
     n_greedy = int(len(prompts) * (1 - args.sampled_fraction))
     tic = time.time()
 

@@ -140,3 +140,29 @@ def test_anchors_come_from_answers_only():
             assert a >= max(1, answers[seq] - 1)  # never inside the prompt
             seen.add((seq, a))
     assert (0, 29) in seen and (2, 1) in seen  # the last prompt token is an anchor
+
+
+def test_restricted_loss_trains_the_head_used_at_inference(trained):
+    """`head_vocab`: the loss goes through the rows the draft proposes from; labels outside
+    them carry no loss, draft_vocab.json lands next to the checkpoint, τ still rises."""
+    from dflash_mlx import draft_vocab
+    from dflash_mlx.train import block_loss, position_weights
+
+    t = trained
+    mx.random.seed(1)
+    draft = DFlashDraftModel(t["cfg"]).bind(t["pair"].target)
+    tc = TrainConfig(steps=200, lr=1e-3, warmup=20, eval_every=100, checkpoint_every=100,
+                     anchors_per_seq=16, head_vocab=160)
+    events = list(train(draft, t["shards"], t["held"], t["root"] / "restricted", tc))
+    ids = draft_vocab.read(t["root"] / "restricted")
+    assert ids is not None and len(ids) == 160
+    assert draft.is_bound and draft._borrowed.head_ids is not None
+    assert events[-1].loss < 0.7 * events[0].loss
+    tau, _ = heldout_tau(draft, t["batches"], 5)  # through the restricted head, as at inference
+    assert tau > t["tau0"] + 0.3, (t["tau0"], tau)
+    blocks, ctx, seq_of, anchors, labels = t["batches"][0]
+    w = position_weights(8, 4.0)
+    none = block_loss(draft, blocks, ctx, seq_of, anchors, mx.full(labels.shape, -1), w)
+    assert none.item() == 0.0
+    some = block_loss(draft, blocks, ctx, seq_of, anchors, mx.zeros_like(labels), w)
+    assert some.item() > 0.0
