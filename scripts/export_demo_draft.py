@@ -2,8 +2,9 @@
 
 Usage: python scripts/export_demo_draft.py CHECKPOINT_DIR FEATURES_DIR [--out dflash_mlx/demo_draft]
 
-Writes config.json, model.safetensors (bf16, z-lab key names) and draft_vocab.json (the 8,192
-most frequent target predictions of the training features, the restricted proposal head).
+Writes config.json, model.safetensors (bf16, z-lab key names) and draft_vocab.json (the
+restricted proposal head: the checkpoint's own when it was trained through one, else the 8,192
+most frequent target predictions of the training features).
 """
 
 import argparse
@@ -35,10 +36,16 @@ def main():
     state = args.checkpoint / "trainer" / "state.json"
     if state.exists():
         shutil.copy(state, args.out / "training_log.json")
-    ids, coverage = draft_vocab.most_frequent((s.preds for s in load_shards(args.features)),
-                                              args.vocab, vocab_size=cfg["vocab_size"])
-    draft_vocab.save(args.out, ids, coverage,
-                     f"top {args.vocab} target predictions of the training features")
+    if draft_vocab.read(args.checkpoint) is not None:
+        # trained through this restricted head: ship exactly the ids it was trained on
+        shutil.copy(args.checkpoint / draft_vocab.FILENAME, args.out / draft_vocab.FILENAME)
+        saved = json.loads((args.out / draft_vocab.FILENAME).read_text())
+        ids, coverage = saved["ids"], saved["coverage"]
+    else:
+        ids, coverage = draft_vocab.most_frequent((s.preds for s in load_shards(args.features)),
+                                                  args.vocab, vocab_size=cfg["vocab_size"])
+        draft_vocab.save(args.out, ids, coverage,
+                         f"top {args.vocab} target predictions of the training features")
     print(f"exported to {args.out}: {len(weights)} tensors, vocab {len(ids)} covers {coverage:.2%}")
 
 
