@@ -110,6 +110,8 @@ def train_draft(
     block_size: Annotated[int, typer.Option(help="Trained block size (inference may use ≤).")] = 8,
     steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 4000,
     lr: Annotated[float, typer.Option(help="Peak AdamW learning rate.")] = 6e-4,
+    seqs: Annotated[int, typer.Option(help="Sequences per optimizer step.")] = 2,
+    anchors: Annotated[int, typer.Option(help="Blocks per sequence per step.")] = 24,
     heldout: Annotated[int, typer.Option(help="Sequences held out for the τ estimate.")] = 24,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from OUT's checkpoint.")] = False,
     seed: Annotated[int, typer.Option(help="Data and initialisation seed.")] = 0,
@@ -130,6 +132,7 @@ def train_draft(
     train_cli.run(model, out, features=features, prompts=prompts, max_tokens=max_tokens,
                   batch=batch, sampled_fraction=sampled_fraction, texts=text or [],
                   layers=layers, block_size=block_size, steps=steps, lr=lr, heldout=heldout,
+                  seqs=seqs, anchors=anchors,
                   resume=resume, seed=seed, weights=weights, vocab=vocab,
                   restricted_loss=restricted_loss)
 

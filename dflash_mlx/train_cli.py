@@ -73,7 +73,8 @@ def write_vocab(draft, out: Path, shards, held, size: int) -> None:
 def run(model: str, out: Path, *, features: Path | None, prompts: int, max_tokens: int,
         batch: int, sampled_fraction: float, texts: list[Path], layers: int, block_size: int,
         steps: int, lr: float, heldout: int, resume: bool, seed: int, weights: str,
-        vocab: int = 8192, restricted_loss: bool = True) -> None:
+        vocab: int = 8192, restricted_loss: bool = True, seqs: int = 2,
+        anchors: int = 24) -> None:
     import mlx.core as mx
 
     from .draft import DFlashDraftModel
@@ -81,8 +82,9 @@ def run(model: str, out: Path, *, features: Path | None, prompts: int, max_token
     from .train import TrainConfig, new_draft_config, pick_mask_token, train
     from .train_data import load_shards, split_heldout
 
-    if block_size < 2 or layers < 1 or steps < 1:
-        raise InvalidArgumentError("--block-size must be ≥ 2, --layers ≥ 1 and --steps ≥ 1")
+    if block_size < 2 or min(layers, steps, seqs, anchors) < 1:
+        raise InvalidArgumentError(
+            "--block-size must be ≥ 2; --layers, --steps, --seqs and --anchors ≥ 1")
     for t in texts:
         if not t.is_file():
             raise InvalidArgumentError(f"--text {t}: no such file")
@@ -104,7 +106,7 @@ def run(model: str, out: Path, *, features: Path | None, prompts: int, max_token
                   f"taps {cfg.target_layer_ids}")
     mx.random.seed(seed)
     draft = DFlashDraftModel(cfg).bind(pair.target)
-    tc = TrainConfig(steps=steps, lr=lr, seed=seed,
+    tc = TrainConfig(steps=steps, lr=lr, seed=seed, seqs_per_step=seqs, anchors_per_seq=anchors,
                      head_vocab=vocab if vocab and restricted_loss else 0)
     with Progress(TextColumn("[bold]training"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
