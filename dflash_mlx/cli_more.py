@@ -99,9 +99,9 @@ def train_draft(
         help="Target: path, Hub repo or .gguf (default: the embedded SmolLM2 target).")] = None,
     features: Annotated[Optional[Path], typer.Option(
         help="Feature cache folder (default OUT/features); built once when empty.")] = None,
-    prompts: Annotated[int, typer.Option(help="Chat prompts the target answers itself.")] = 384,
+    prompts: Annotated[int, typer.Option(help="Chat prompts the target answers itself.")] = 2048,
     max_tokens: Annotated[int, typer.Option(help="Longest self-distilled answer.")] = 160,
-    batch: Annotated[int, typer.Option(help="Prompts decoded together while distilling.")] = 32,
+    batch: Annotated[int, typer.Option(help="Prompts decoded together while distilling.")] = 64,
     sampled_fraction: Annotated[float, typer.Option(
         help="Share of answers sampled at T=0.7 instead of greedy.")] = 0.25,
     text: Annotated[Optional[list[Path]], typer.Option(
