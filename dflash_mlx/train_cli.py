@@ -99,9 +99,12 @@ def run(model: str, out: Path, *, features: Path | None, prompts: int, max_token
         n = build_features(pair, features, prompts=prompts, max_tokens=max_tokens, batch=batch,
                            sampled_fraction=sampled_fraction, texts=texts, seed=seed)
         console.print(f"features: {n} tokens in {time.perf_counter() - tic:.0f}s → {features}")
-    shards, held = split_heldout(load_shards(features), heldout)
+    try:
+        shards, held = split_heldout(load_shards(features), heldout)
+    except ValueError as e:
+        raise InvalidArgumentError(f"--heldout {heldout}: {e}") from None
     n_train = sum(len(s.tokens) for s in shards)
-    console.print(f"training on {n_train} tokens, {len(held[0].tokens)} held out; "
+    console.print(f"training on {n_train} tokens, {sum(len(h.tokens) for h in held)} held out; "
                   f"draft: {layers} layers, block {block_size}, mask id {cfg.mask_token_id}, "
                   f"taps {cfg.target_layer_ids}")
     mx.random.seed(seed)

@@ -314,15 +314,22 @@ def load_shards(folder: Path) -> list[FeatureShard]:
 
 
 def split_heldout(shards: list[FeatureShard], n_sequences: int) -> tuple[list, list]:
-    """Hold out the last `n_sequences` sequences of the last shard (never trained on)."""
-    last = shards[-1]
-    k = last.num_sequences - n_sequences
-    if k < 1:
-        raise ValueError("not enough sequences to hold some out")
-    cut = last.starts[k]
-    ans = (None, None) if last.answers is None else (last.answers[:k], last.answers[k:])
-    train = FeatureShard(last.tokens[:cut], last.preds[:cut], last.taps[:cut],
-                         last.starts[: k + 1], ans[0])
-    held = FeatureShard(last.tokens[cut:], last.preds[cut:], last.taps[cut:],
-                        last.starts[k:] - cut, ans[1])
-    return shards[:-1] + [train], [held]
+    """Hold out the last `n_sequences` sequences (never trained on), across shards if need be."""
+    train, held, need = list(shards), [], n_sequences
+    while need > 0 and train:
+        last = train.pop()
+        k = last.num_sequences - need
+        if k <= 0:  # the whole shard is held out
+            held.insert(0, last)
+            need -= last.num_sequences
+            continue
+        cut = last.starts[k]
+        ans = (None, None) if last.answers is None else (last.answers[:k], last.answers[k:])
+        train.append(FeatureShard(last.tokens[:cut], last.preds[:cut], last.taps[:cut],
+                                  last.starts[: k + 1], ans[0]))
+        held.insert(0, FeatureShard(last.tokens[cut:], last.preds[cut:], last.taps[cut:],
+                                    last.starts[k:] - cut, ans[1]))
+        need = 0
+    if need > 0 or not train:
+        raise ValueError(f"not enough sequences to hold {n_sequences} out and train on the rest")
+    return train, held

@@ -166,3 +166,30 @@ def test_restricted_loss_trains_the_head_used_at_inference(trained):
     assert none.item() == 0.0
     some = block_loss(draft, blocks, ctx, seq_of, anchors, mx.zeros_like(labels), w)
     assert some.item() > 0.0
+
+
+def _shard(first: int, lengths: list[int]):
+    import numpy as np
+
+    from dflash_mlx.train_data import FeatureShard
+
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    n = int(starts[-1])
+    tokens = np.arange(first, first + n, dtype=np.int32)
+    return FeatureShard(tokens, tokens + 1, np.zeros((n, 2), np.float16), starts,
+                        np.full(len(lengths), 1))
+
+
+def test_heldout_spans_shards_and_never_overlaps_training():
+    """Holding out more sequences than the last shard has takes them from earlier shards."""
+    shards = [_shard(0, [5, 6, 7]), _shard(100, [4, 4]), _shard(200, [3])]
+    train_part, held = split_heldout(shards, 4)
+    assert sum(h.num_sequences for h in held) == 4
+    assert sum(s.num_sequences for s in train_part) == 2
+    held_ids = {int(t) for h in held for t in h.tokens}
+    train_ids = {int(t) for s in train_part for t in s.tokens}
+    assert not held_ids & train_ids
+    assert len(held_ids) + len(train_ids) == sum(len(s.tokens) for s in shards)
+    assert held[0].sequence(0)[0].tolist() == [11, 12, 13, 14, 15, 16, 17]  # 3rd of shard 0
+    with pytest.raises(ValueError):
+        split_heldout(shards, 6)  # nothing would be left to train on
