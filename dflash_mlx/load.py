@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,6 +103,24 @@ def _quantizable(path, m) -> bool:
             and not path.startswith("candidate_selector."))
 
 
+def _dense(weights: dict[str, mx.array], folder: Path) -> dict[str, mx.array]:
+    """A draft stored quantized (mlx layout: weight + scales + biases, `quantization` in its
+    config) becomes dense here; `draft_bits` then decides how it runs, as for any draft."""
+    q = json.loads((folder / "config.json").read_text()).get("quantization")
+    if not q:
+        return weights
+    out = {}
+    for key, value in weights.items():
+        base = key.rsplit(".", 1)[0]
+        if key.endswith((".scales", ".biases")) and base + ".scales" in weights:
+            continue
+        if key.endswith(".weight") and base + ".scales" in weights:
+            value = mx.dequantize(value, weights[base + ".scales"], weights.get(base + ".biases"),
+                                  q["group_size"], q["bits"])
+        out[key] = value
+    return out
+
+
 def load_draft(path: str | os.PathLike, draft_bits: int = 16,
                selector_bits: int | None = None) -> DFlashDraftModel:
     """Build the draft from config.json and its safetensors (strict key match).
@@ -125,7 +144,7 @@ def load_draft(path: str | os.PathLike, draft_bits: int = 16,
             weights.update(mx.load(str(f)))
         except Exception as e:
             raise CheckpointError(f"{f}: corrupt or truncated safetensors ({e})") from None
-    weights = model.sanitize(weights)
+    weights = model.sanitize(_dense(weights, folder))
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:

@@ -1,10 +1,10 @@
-"""Copy a trained draft checkpoint into the package as the embedded demo draft (bfloat16).
+"""Copy a trained draft checkpoint into the package as the embedded demo draft.
 
 Usage: python scripts/export_demo_draft.py CHECKPOINT_DIR FEATURES_DIR [--out dflash_mlx/demo_draft]
 
-Writes config.json, model.safetensors (bf16, z-lab key names) and draft_vocab.json (the
-restricted proposal head: the checkpoint's own when it was trained through one, else the 8,192
-most frequent target predictions of the training features).
+Writes config.json, model.safetensors (z-lab key names; bf16, matrices stored 8-bit by default
+to stay small) and draft_vocab.json (the restricted proposal head: the checkpoint's own when it
+was trained through one, else the 8,192 most frequent target predictions of the features).
 """
 
 import argparse
@@ -25,12 +25,22 @@ def main():
     ap.add_argument("features", type=Path)
     ap.add_argument("--out", type=Path, default=Path("dflash_mlx/demo_draft"))
     ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--bits", type=int, choices=(0, 4, 8), default=8,
+                    help="store matrices quantized at these bits (0: plain bf16)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((args.checkpoint / "config.json").read_text())
     cfg["dtype"] = "bfloat16"
     weights = mx.load(str(args.checkpoint / "model.safetensors"))
     weights = {k: v.astype(mx.bfloat16) for k, v in weights.items()}
+    if args.bits:
+        # matrices stored quantized (mlx layout) to keep the package small; the engine
+        # dequantizes at load and then applies its own --draft-bits
+        cfg["quantization"] = {"group_size": 64, "bits": args.bits}
+        for k in [k for k, v in weights.items() if k.endswith(".weight") and v.ndim == 2]:
+            base = k[: -len(".weight")]
+            weights[k], weights[base + ".scales"], weights[base + ".biases"] = mx.quantize(
+                weights[k], group_size=64, bits=args.bits)
     mx.save_safetensors(str(args.out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (args.out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     state = args.checkpoint / "trainer" / "state.json"

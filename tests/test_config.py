@@ -308,3 +308,38 @@ def test_corrupt_or_truncated_safetensors(tmp_path):
     path.unlink()
     with pytest.raises(CheckpointError, match=r"no \*\.safetensors"):
         load_draft(folder)
+
+
+def test_draft_stored_quantized_loads_dense(tmp_path):
+    """A draft whose matrices are stored quantized (mlx layout, `quantization` in config.json,
+    as the embedded demo draft ships) loads to the dequantized weights of the dense one."""
+    import json
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from dflash_mlx import tiny
+    from dflash_mlx.load import load_draft
+
+    dense_dir = tiny.make_draft(tmp_path / "dense")
+    q_dir = tmp_path / "q8"
+    q_dir.mkdir()
+    cfg = json.loads((dense_dir / "config.json").read_text())
+    cfg["quantization"] = {"group_size": 64, "bits": 8}
+    (q_dir / "config.json").write_text(json.dumps(cfg))
+    weights = mx.load(str(dense_dir / "model.safetensors"))
+    expected = {}
+    for k in [k for k, v in weights.items() if k.endswith(".weight") and v.ndim == 2]:
+        base = k[: -len(".weight")]
+        w, s, b = mx.quantize(weights[k], group_size=64, bits=8)
+        weights[k], weights[base + ".scales"], weights[base + ".biases"] = w, s, b
+        expected[k] = mx.dequantize(w, s, b, 64, 8)
+    assert expected, "the tiny draft has matrices to quantize"
+    mx.save_safetensors(str(q_dir / "model.safetensors"), weights)
+    dense = dict(tree_flatten(load_draft(dense_dir).parameters()))
+    loaded = dict(tree_flatten(load_draft(q_dir).parameters()))
+    assert loaded.keys() == dense.keys()
+    for k, v in loaded.items():
+        ref = expected.get(k, dense[k])
+        assert mx.allclose(v, ref, atol=1e-6).item(), k
+        assert mx.allclose(v, dense[k], atol=0.05).item(), k  # 8-bit is close to the original
