@@ -68,7 +68,13 @@ def save(folder: Path, ids: list[int], coverage: float, source: str) -> Path:
 
 
 def read(folder: Path) -> list[int] | None:
+    found = read_with_coverage(folder)
+    return None if found is None else found[0]
+
+
+def read_with_coverage(folder: Path) -> tuple[list[int], float] | None:
     path = Path(folder) / FILENAME
     if not path.is_file():
         return None
-    return [int(i) for i in json.loads(path.read_text())["ids"]]
+    saved = json.loads(path.read_text())
+    return [int(i) for i in saved["ids"]], float(saved["coverage"])

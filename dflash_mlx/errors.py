@@ -23,3 +23,7 @@ class ModelNotFoundError(DFlashError):
 
 class InvalidArgumentError(DFlashError):
     """A generation setting is out of range (block size, temperature, prompt...)."""
+
+
+class TrainingDataError(DFlashError, ValueError):
+    """Features too few or too short to train a draft on."""

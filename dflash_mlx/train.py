@@ -23,6 +23,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .draft import DFlashDraftModel
+from .errors import TrainingDataError
 from .tiny import save_draft
 from .train_data import FeatureShard
 
@@ -106,7 +107,9 @@ class BlockSampler:
                       for i in range(s.num_sequences)
                       if s.starts[i + 1] - s.starts[i] - max(1, s.answer_start(i) - 1) > block_size]
         if not self.items:
-            raise ValueError("no training sequence is longer than the block size")
+            raise TrainingDataError(
+                f"no training answer is longer than the block size ({block_size}); "
+                "self-distil longer answers (--max-tokens)")
         self.block, self.mask_id = block_size, mask_id
         self.rng = np.random.default_rng(seed)
 

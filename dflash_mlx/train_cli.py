@@ -49,15 +49,17 @@ def build_features(pair, out: Path, *, prompts: int, max_tokens: int, batch: int
     return total
 
 
-def write_vocab(draft, out: Path, shards, held, size: int) -> None:
+def write_vocab(draft, out: Path, shards, held, size: int, trained_through: bool) -> None:
     """Ship a restricted proposal head (draft_vocab.json) and report what it costs in τ."""
     from . import draft_vocab
     from .train import BlockSampler, heldout_tau
 
-    # the same ids the trainer restricted to when the loss went through them (deterministic)
-    ids, coverage = draft_vocab.most_frequent((s.preds for s in shards), size,
-                                              vocab_size=draft.config.vocab_size)
-    draft_vocab.save(out, ids, coverage, f"top {size} target predictions of the training data")
+    if trained_through:  # the trainer already wrote the ids its loss went through
+        ids, coverage = draft_vocab.read_with_coverage(out)
+    else:
+        ids, coverage = draft_vocab.most_frequent((s.preds for s in shards), size,
+                                                  vocab_size=draft.config.vocab_size)
+        draft_vocab.save(out, ids, coverage, f"top {size} target predictions of the training data")
     draft.restrict_head(None)
     cfg = draft.config
     batches = [BlockSampler(held, cfg.block_size, cfg.mask_token_id, 7).batch(8, 8)
@@ -99,10 +101,7 @@ def run(model: str, out: Path, *, features: Path | None, prompts: int, max_token
         n = build_features(pair, features, prompts=prompts, max_tokens=max_tokens, batch=batch,
                            sampled_fraction=sampled_fraction, texts=texts, seed=seed)
         console.print(f"features: {n} tokens in {time.perf_counter() - tic:.0f}s → {features}")
-    try:
-        shards, held = split_heldout(load_shards(features), heldout)
-    except ValueError as e:
-        raise InvalidArgumentError(f"--heldout {heldout}: {e}") from None
+    shards, held = split_heldout(load_shards(features), heldout)
     n_train = sum(len(s.tokens) for s in shards)
     console.print(f"training on {n_train} tokens, {sum(len(h.tokens) for h in held)} held out; "
                   f"draft: {layers} layers, block {block_size}, mask id {cfg.mask_token_id}, "
@@ -124,5 +123,5 @@ def run(model: str, out: Path, *, features: Path | None, prompts: int, max_token
                   f"{ev.tokens_per_s:.0f} heldout_tau {ev.heldout_tau:.3f} slot_acc "
                   + " ".join(f"{a:.3f}" for a in ev.slot_accuracy), file=sys.stderr, flush=True)
     if vocab:
-        write_vocab(draft, out, shards, held, vocab)
+        write_vocab(draft, out, shards, held, vocab, trained_through=tc.head_vocab > 0)
     console.print(f"draft written to {out} (config.json + model.safetensors)")

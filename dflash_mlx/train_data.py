@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Iterator
 import mlx.core as mx
 import numpy as np
 
+from .errors import TrainingDataError
 from .target import Target
 
 SUBJECTS = [
@@ -176,6 +177,7 @@ def self_distill_features(target: Target, tokenizer, prompts: list[str], out_dir
             cache = target.make_cache()
             x = mx.array(batch)
             taps, preds, toks = [], [], [x]
+            finished = np.zeros(len(batch), dtype=bool)
             for _ in range(max_tokens):
                 logits, t = target(x, cache)
                 last = logits[:, -1, :]
@@ -189,8 +191,8 @@ def self_distill_features(target: Target, tokenizer, prompts: list[str], out_dir
                 preds.append(pred)
                 toks.append(x)
                 mx.eval(x, taps[-1], preds[-1])
-                if all(any(int(v) in eos for v in row) for row in
-                       mx.concatenate(toks[1:], axis=1).tolist()):
+                finished |= np.isin(np.array(x[:, 0]), list(eos))
+                if finished.all():
                     break
             tok = np.array(mx.concatenate(toks[:-1], axis=1))  # the last token was never fed
             tap = np.array(mx.concatenate(taps, axis=1))
@@ -331,5 +333,6 @@ def split_heldout(shards: list[FeatureShard], n_sequences: int) -> tuple[list, l
                                     last.starts[k:] - cut, ans[1]))
         need = 0
     if need > 0 or not train:
-        raise ValueError(f"not enough sequences to hold {n_sequences} out and train on the rest")
+        raise TrainingDataError(
+            f"not enough sequences to hold {n_sequences} out (--heldout) and train on the rest")
     return train, held

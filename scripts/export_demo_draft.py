@@ -46,11 +46,11 @@ def main():
     state = args.checkpoint / "trainer" / "state.json"
     if state.exists():
         shutil.copy(state, args.out / "training_log.json")
-    if draft_vocab.read(args.checkpoint) is not None:
+    trained = draft_vocab.read_with_coverage(args.checkpoint)
+    if trained is not None:
         # trained through this restricted head: ship exactly the ids it was trained on
         shutil.copy(args.checkpoint / draft_vocab.FILENAME, args.out / draft_vocab.FILENAME)
-        saved = json.loads((args.out / draft_vocab.FILENAME).read_text())
-        ids, coverage = saved["ids"], saved["coverage"]
+        ids, coverage = trained
     else:
         ids, coverage = draft_vocab.most_frequent((s.preds for s in load_shards(args.features)),
                                                   args.vocab, vocab_size=cfg["vocab_size"])

@@ -193,3 +193,33 @@ def test_heldout_spans_shards_and_never_overlaps_training():
     assert held[0].sequence(0)[0].tolist() == [11, 12, 13, 14, 15, 16, 17]  # 3rd of shard 0
     with pytest.raises(ValueError):
         split_heldout(shards, 6)  # nothing would be left to train on
+
+
+def test_train_draft_cli_end_to_end(tmp_path):
+    """`dflash-mlx train-draft` on a tiny target: self-distilled greedy answers (each answer
+    token is the target's own argmax of the position before), a draft folder with its head;
+    answers too short for the block size are a one-line error, exit 2."""
+    import numpy as np
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli import app
+
+    target = tiny.make_target(tmp_path / "target")
+    base = ["train-draft", "--model", str(target), "--prompts", "16", "--batch", "4",
+            "--steps", "3", "--heldout", "2", "--layers", "1", "--vocab", "64",
+            "--sampled-fraction", "0"]
+    res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "d"), "--max-tokens", "24"])
+    assert res.exit_code == 0, res.output
+    for name in ("config.json", "model.safetensors", "draft_vocab.json"):
+        assert (tmp_path / "d" / name).is_file()
+    shards = load_shards(tmp_path / "d" / "features")
+    assert sum(s.num_sequences for s in shards) >= 8
+    for s in shards:
+        for i in range(s.num_sequences):
+            tok, pred, _ = s.sequence(i)
+            a = s.answer_start(i)
+            assert 0 < a < len(tok)
+            assert np.array_equal(tok[a:], pred[a - 1 : -1])  # greedy: next token = argmax
+    res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "e"), "--max-tokens", "6"])
+    assert res.exit_code == 2
+    assert "longer than the block size" in res.output and "Traceback" not in res.output
