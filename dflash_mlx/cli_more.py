@@ -114,6 +114,8 @@ def train_draft(
     anchors: Annotated[int, typer.Option(help="Blocks per sequence per step.")] = 24,
     heldout: Annotated[int, typer.Option(help="Sequences held out for the τ estimate.")] = 24,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from OUT's checkpoint.")] = False,
+    init: Annotated[Optional[Path], typer.Option(
+        help="Start from this draft's weights (fine-tune); its depth and block size are kept.")] = None,
     seed: Annotated[int, typer.Option(help="Data and initialisation seed.")] = 0,
     vocab: Annotated[int, typer.Option(
         help="Ship a restricted proposal head of this many frequent tokens (0: none).")] = 8192,
@@ -134,7 +136,7 @@ def train_draft(
                   layers=layers, block_size=block_size, steps=steps, lr=lr, heldout=heldout,
                   seqs=seqs, anchors=anchors,
                   resume=resume, seed=seed, weights=weights, vocab=vocab,
-                  restricted_loss=restricted_loss)
+                  restricted_loss=restricted_loss, init=init)
 
 
 @app.command("fetch-demo")

@@ -19,10 +19,10 @@ console = Console(stderr=True)
 
 def build_features(pair, out: Path, *, prompts: int, max_tokens: int, batch: int,
                    sampled_fraction: float, texts: list[Path], seed: int) -> int:
-    from .train_data import (bucketed_prompts, extract_features, self_distill_features,
-                             text_sequences)
+    from .train_data import extract_features, self_distill_features, text_sequences
+    from .train_prompts import chat_prompts
 
-    chosen = bucketed_prompts(pair.tokenizer, prompts, batch, seed)
+    chosen = chat_prompts(prompts, seed)
     n_greedy = int(len(chosen) * (1 - sampled_fraction))
     total = 0
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
@@ -76,11 +76,11 @@ def run(model: str, out: Path, *, features: Path | None, prompts: int, max_token
         batch: int, sampled_fraction: float, texts: list[Path], layers: int, block_size: int,
         steps: int, lr: float, heldout: int, resume: bool, seed: int, weights: str,
         vocab: int = 8192, restricted_loss: bool = True, seqs: int = 2,
-        anchors: int = 24) -> None:
+        anchors: int = 24, init: Path | None = None) -> None:
     import mlx.core as mx
 
     from .draft import DFlashDraftModel
-    from .load import load
+    from .load import check_pair, load, load_draft
     from .train import TrainConfig, new_draft_config, pick_mask_token, train
     from .train_data import load_shards, split_heldout
 
@@ -92,8 +92,15 @@ def run(model: str, out: Path, *, features: Path | None, prompts: int, max_token
             raise InvalidArgumentError(f"--text {t}: no such file")
     console.print(f"loading target {model}")
     pair = load(model, None, weights=weights)
-    cfg = new_draft_config(pair.target, num_layers=layers, block_size=block_size,
-                           mask_token_id=pick_mask_token(pair.tokenizer))
+    if init is not None:  # fine-tune: depth, block size, taps and mask come from the draft
+        start = load_draft(init)
+        start.set_dtype(mx.float32)  # exported drafts are bf16; train in full precision
+        cfg = start.config
+        check_pair(pair.target, cfg)
+        layers, block_size = cfg.num_hidden_layers, cfg.block_size
+    else:
+        cfg = new_draft_config(pair.target, num_layers=layers, block_size=block_size,
+                               mask_token_id=pick_mask_token(pair.tokenizer))
     pair.target.set_taps(cfg.target_layer_ids)
     features = features or out / "features"
     if not list(Path(features).glob("shard_*.npz")):
@@ -107,7 +114,7 @@ def run(model: str, out: Path, *, features: Path | None, prompts: int, max_token
                   f"draft: {layers} layers, block {block_size}, mask id {cfg.mask_token_id}, "
                   f"taps {cfg.target_layer_ids}")
     mx.random.seed(seed)
-    draft = DFlashDraftModel(cfg).bind(pair.target)
+    draft = (start if init is not None else DFlashDraftModel(cfg)).bind(pair.target)
     tc = TrainConfig(steps=steps, lr=lr, seed=seed, seqs_per_step=seqs, anchors_per_seq=anchors,
                      head_vocab=vocab if vocab and restricted_loss else 0)
     with Progress(TextColumn("[bold]training"), BarColumn(), TextColumn("{task.completed}/{task.total}"),

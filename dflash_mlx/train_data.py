@@ -9,204 +9,70 @@ once to disk so training epochs never re-run the target.
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .errors import TrainingDataError
 from .target import Target
-
-SUBJECTS = [
-    "photosynthesis", "the water cycle", "black holes", "compound interest", "machine learning",
-    "the French Revolution", "climate change", "vaccines", "the stock market", "recursion",
-    "prime numbers", "the immune system", "volcanoes", "electric cars", "the internet",
-    "democracy", "gravity", "DNA", "the Roman Empire", "renewable energy", "sleep",
-    "coffee", "honeybees", "the moon landing", "inflation", "blockchain", "earthquakes",
-    "the human heart", "plate tectonics", "quantum computing", "the Renaissance",
-    "ocean tides", "solar panels", "meditation", "the printing press", "antibiotics",
-    "rainbows", "the speed of light", "hash tables", "sorting algorithms", "neural networks",
-    "the Great Wall of China", "chess", "jazz music", "healthy eating", "time management",
-    "public speaking", "gardening", "the Pythagorean theorem", "probability", "fractions",
-    "supply and demand", "the periodic table", "evolution", "cloud computing", "encryption",
-    "dinosaurs", "the Olympic Games", "marathon training", "bread baking", "recycling",
-    "the solar system", "photosynthesis in algae", "the Industrial Revolution", "batteries",
-    "the human brain", "artificial intelligence", "the Amazon rainforest", "glaciers",
-    "social media", "remote work", "budgeting", "credit scores", "nutrition labels",
-    "the Cold War", "ancient Egypt", "the Silk Road", "Shakespeare", "impressionism",
-    "photography", "video games", "electric guitars", "classical music", "film editing",
-    "the stock exchange", "taxes", "small businesses", "negotiation", "leadership",
-    "team work", "learning a language", "the scientific method", "statistics", "calculus",
-    "linear algebra", "matrices", "logarithms", "geometry", "graph theory", "databases",
-    "operating systems", "compilers", "version control", "unit testing", "APIs",
-    "web browsers", "password security", "open source software", "3D printing", "robots",
-    "self-driving cars", "airplanes", "rockets", "submarines", "bridges", "skyscrapers",
-    "wind turbines", "nuclear power", "air pollution", "biodiversity", "coral reefs",
-    "migration of birds", "cats", "dogs", "wolves", "elephants", "octopuses", "mushrooms",
-    "tea", "chocolate", "pizza", "spices", "fermentation", "running shoes", "yoga",
-    "the Moon", "Mars", "comets", "the Big Bang", "magnetism", "electricity", "sound waves",
-]
-TEMPLATES = [
-    "What is {s}?", "Explain {s} in simple terms.", "Give me three interesting facts about {s}.",
-    "Why is {s} important?", "Write a short paragraph about {s}.",
-    "How would you explain {s} to a child?", "What are the main ideas behind {s}?",
-    "Summarize the history of {s} in a few sentences.", "What are common misconceptions about {s}?",
-    "Write a haiku about {s}.", "List the pros and cons of {s}.", "Tell me a fun story involving {s}.",
-    "What should a beginner know about {s}?", "Compare {s} and {t}.",
-    "Write a short email to a friend recommending they learn about {s}.",
-    "Write a blog post introduction about {s}.", "Describe {s} in two sentences.",
-    "What is the connection between {s} and {t}?", "Write a limerick about {s}.",
-    "Pretend you are a teacher. Give a short lesson on {s}.",
-    "What are the biggest open questions about {s}?", "How has {s} changed over time?",
-    "Give a step-by-step guide to getting started with {s}.",
-    "Write a persuasive paragraph arguing that everyone should care about {s}.",
-    "Create a short quiz with three questions about {s}.",
-    "Write a dialogue between two friends discussing {s}.",
-    "What would happen if {s} did not exist?", "Define {s} and give an example.",
-    "Write a product description for a book about {s}.",
-    "Explain how {s} affects everyday life.",
-]
-CODE_TASKS = [
-    "reverses a string", "checks whether a number is prime", "returns the factorial of n",
-    "computes the n-th Fibonacci number", "counts the vowels in a string",
-    "removes duplicates from a list while keeping order", "finds the largest element of a list",
-    "checks whether a string is a palindrome", "merges two sorted lists",
-    "returns the sum of the digits of an integer", "flattens a nested list",
-    "counts word frequencies in a text", "converts Celsius to Fahrenheit",
-    "computes the greatest common divisor of two numbers", "sorts a list of tuples by the second item",
-    "returns the second largest number in a list", "checks whether two strings are anagrams",
-    "implements binary search", "transposes a matrix", "validates an email address with a regex",
-    "returns the n-th triangular number", "counts the occurrences of a character in a string",
-    "returns the common elements of two lists", "checks whether a year is a leap year",
-    "converts a decimal number to binary", "finds the minimum of three numbers",
-    "capitalizes the first letter of every word", "returns the length of the longest word",
-    "rotates a list by k positions", "checks whether a list is sorted",
-    "computes the average of a list of numbers", "returns all even numbers from a list",
-    "replaces spaces in a string with underscores", "computes the power set of a set",
-    "finds the index of the first repeated character", "computes the area of a circle",
-    "splits a list into chunks of size n", "returns the median of a list",
-    "checks whether a number is a perfect square", "counts the lines in a text file",
-    "sums the squares of the first n natural numbers", "removes all vowels from a string",
-    "returns the product of all elements in a list", "finds the missing number in 1..n",
-    "converts a list of strings to integers", "checks whether parentheses are balanced",
-]
-CODE_TEMPLATES = [
-    "Write a Python function that {c}.", "Write a Python function that {c}. Include a docstring.",
-    "How do I write a function in Python that {c}?", "Write a JavaScript function that {c}.",
-    "Explain step by step how to write code that {c}.",
-    "Write a function that {c}.", "Write a Python program that {c} and prints the result.",
-    "Write a Python function that {c}, with two test cases.", "Write a C function that {c}.",
-    'Complete this Python function:\n\ndef solve(data):\n    """A function that {c}."""\n',
-]
-MATH_TEMPLATES = [
-    "A shop sells apples for ${a} each. Tom buys {b} apples and pays with a ${c} bill. "
-    "How much change does he get?",
-    "A train travels {a} miles per hour for {b} hours. How far does it go?",
-    "Sara has {a} marbles. She gives {b} to her brother and buys {c} more. How many does she have?",
-    "What is {a} times {b}, plus {c}?",
-    "A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter?",
-    "If {a} workers build a wall in {b} days, how long would {c} workers take?",
-    "Solve for x: {a}x + {b} = {c}.", "What is the sum of the first {a} positive integers?",
-    "A recipe needs {b} eggs for {a} cookies. How many eggs are needed for {c} cookies?",
-    "Lisa reads {a} pages a day. How many days does she need for a {c}{b}-page book?",
-    "A car uses {b} liters of fuel per 100 km. How much fuel does it need for {a}0 km?",
-    "What is {a}% of {c}0?", "Find the remainder when {c}{a} is divided by {b}.",
-    "A class has {a} students and {b} of them are absent. What fraction is present?",
-    "John earns ${a} per hour and works {b} hours a week. How much does he earn in {c} weeks?",
-    "What is the least common multiple of {a} and {b}?",
-]
-
-
-def chat_prompts(n: int, seed: int = 0) -> list[str]:
-    """A varied set of chat, code and arithmetic requests (none taken from a benchmark)."""
-    rng = random.Random(seed)
-    out: dict[str, None] = {}  # ordered and deduplicated, so a seed gives the same list
-    while len(out) < n:
-        kind = rng.random()
-        if kind < 0.6:
-            s, t = rng.sample(SUBJECTS, 2)
-            out[rng.choice(TEMPLATES).format(s=s, t=t)] = None
-        elif kind < 0.85:
-            out[rng.choice(CODE_TEMPLATES).format(c=rng.choice(CODE_TASKS))] = None
-        else:
-            a, b, c = rng.randint(2, 60), rng.randint(2, 30), rng.randint(2, 100)
-            q = rng.choice(MATH_TEMPLATES).format(a=a, b=b, c=c)
-            out[q + " Please reason step by step."] = None
-    return list(out)
-
-
-def bucketed_prompts(tokenizer, n: int, batch: int, seed: int = 0) -> list[str]:
-    """`n` varied prompts in whole batches of one token length (batched decoding, no padding).
-
-    Draws many candidates and keeps whole batches from the most common lengths.
-    """
-    buckets: dict[int, list[str]] = {}
-    for p in chat_prompts(n * 8, seed=seed):
-        buckets.setdefault(len(_chat_ids(tokenizer, p)), []).append(p)
-    prompts: list[str] = []
-    for group in sorted(buckets.values(), key=len, reverse=True):
-        prompts += group[:batch]
-        if len(prompts) >= n:
-            break
-    random.Random(seed).shuffle(prompts)
-    return prompts
-
 
 def self_distill_features(target: Target, tokenizer, prompts: list[str], out_dir: Path, *,
                           max_tokens: int = 200, batch_size: int = 48, temperature: float = 0.0,
                           seed: int = 0, progress: Callable[[int, int], None] | None = None) -> int:
     """The target answers each prompt; its taps and argmax are recorded in the same passes.
 
-    Prompts are batched by exact token length, so a plain batched KV cache needs no padding
-    and no second (teacher-forced) pass is needed. Returns the number of tokens written.
+    Prompts are sorted by length and decoded in left-padded batches (a batch KV cache masks
+    the padding and gives each row its own positions), so answers need no second
+    teacher-forced pass. Returns the number of tokens written.
     """
-    encoded = [_chat_ids(tokenizer, p) for p in prompts]
-    by_len: dict[int, list[list[int]]] = {}
-    for ids in encoded:
-        by_len.setdefault(len(ids), []).append(ids)
+    encoded = sorted((_chat_ids(tokenizer, p) for p in prompts), key=len)
     eos = set(getattr(tokenizer, "eos_token_ids", []) or [])
     key = mx.random.key(seed)
     writer = ShardWriter(out_dir, target)
-    done = 0
-    for group in by_len.values():
-        for start in range(0, len(group), batch_size):
-            batch = group[start : start + batch_size]
-            cache = target.make_cache()
-            x = mx.array(batch)
-            taps, preds, toks = [], [], [x]
-            finished = np.zeros(len(batch), dtype=bool)
-            for _ in range(max_tokens):
-                logits, t = target(x, cache)
-                last = logits[:, -1, :]
-                pred = mx.argmax(logits, axis=-1)
-                if temperature > 0:
-                    key, sub = mx.random.split(key)
-                    x = mx.random.categorical(last / temperature, key=sub)[:, None]
-                else:
-                    x = pred[:, -1:]
-                taps.append(t.astype(mx.float16))
-                preds.append(pred)
-                toks.append(x)
-                mx.eval(x, taps[-1], preds[-1])
-                finished |= np.isin(np.array(x[:, 0]), list(eos))
-                if finished.all():
+    for start in range(0, len(encoded), batch_size):
+        batch = encoded[start : start + batch_size]
+        width = len(batch[-1])
+        pads = [width - len(ids) for ids in batch]
+        cache = target.make_cache()
+        if any(pads):
+            if not all(type(c) is KVCache for c in cache):
+                raise TrainingDataError("self-distillation batches prompts of different lengths, "
+                                        "which needs a plain attention KV cache; use --batch 1")
+            cache = [BatchKVCache(pads) for _ in cache]
+        x = mx.array([[0] * p + ids for p, ids in zip(pads, batch)])
+        taps, preds, toks = [], [], [x]
+        finished = np.zeros(len(batch), dtype=bool)
+        for _ in range(max_tokens):
+            logits, t = target(x, cache)
+            pred = mx.argmax(logits, axis=-1)
+            if temperature > 0:
+                key, sub = mx.random.split(key)
+                x = mx.random.categorical(logits[:, -1, :] / temperature, key=sub)[:, None]
+            else:
+                x = pred[:, -1:]
+            taps.append(t.astype(mx.float16))
+            preds.append(pred)
+            toks.append(x)
+            mx.eval(x, taps[-1], preds[-1])
+            finished |= np.isin(np.array(x[:, 0]), list(eos))
+            if finished.all():
+                break
+        tok = np.array(mx.concatenate(toks[:-1], axis=1))  # the last token was never fed
+        tap = np.array(mx.concatenate(taps, axis=1))
+        prd = np.array(mx.concatenate(preds, axis=1)).astype(np.int32)
+        for r, pad in enumerate(pads):
+            n = tok.shape[1]
+            for i in range(width, n):  # cut after the answer's first EOS
+                if int(tok[r, i]) in eos:
+                    n = i + 1
                     break
-            tok = np.array(mx.concatenate(toks[:-1], axis=1))  # the last token was never fed
-            tap = np.array(mx.concatenate(taps, axis=1))
-            prd = np.array(mx.concatenate(preds, axis=1)).astype(np.int32)
-            for r in range(len(batch)):
-                n = tok.shape[1]
-                for i in range(len(batch[r]), n):  # cut after the answer's first EOS
-                    if int(tok[r, i]) in eos:
-                        n = i + 1
-                        break
-                writer.add(tok[r, :n], prd[r, :n], tap[r, :n], answer=len(batch[r]))
-            done += len(batch)
-            if progress:
-                progress(done, len(prompts))
+            writer.add(tok[r, pad:n], prd[r, pad:n], tap[r, pad:n], answer=width - pad)
+        if progress:
+            progress(start + len(batch), len(encoded))
     writer.close()
     return writer.total
 

@@ -17,7 +17,8 @@ from dflash_mlx.demo import demo_target_path
 from dflash_mlx.gguf import load_gguf
 from dflash_mlx.load import convert_weights
 from dflash_mlx.target import Target
-from dflash_mlx.train_data import bucketed_prompts, self_distill_features
+from dflash_mlx.train_data import self_distill_features
+from dflash_mlx.train_prompts import chat_prompts
 
 
 def main():
@@ -32,7 +33,7 @@ def main():
     model, tok = load_gguf(demo_target_path())
     convert_weights(model, mx.float32)
     target = Target(model, build_target_layer_ids(len(model.layers), 5))
-    prompts = bucketed_prompts(tok, args.prompts, args.batch, args.seed)
+    prompts = chat_prompts(args.prompts, args.seed)
     n_greedy = int(len(prompts) * (1 - args.sampled_fraction))
     tic = time.time()
 

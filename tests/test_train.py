@@ -6,6 +6,7 @@ import random
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 import pytest
 from mlx_lm.generate import generate_step
 
@@ -223,3 +224,14 @@ def test_train_draft_cli_end_to_end(tmp_path):
     res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "e"), "--max-tokens", "6"])
     assert res.exit_code == 2
     assert "longer than the block size" in res.output and "Traceback" not in res.output
+    # --init fine-tunes a draft: its depth is kept over --layers, its weights are the start
+    res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "f"), "--init", str(tmp_path / "d"),
+                                          "--features", str(tmp_path / "d" / "features"),
+                                          "--layers", "3", "--steps", "1", "--lr", "1e-9"])
+    assert res.exit_code == 0, res.output
+    start, tuned = load_draft(tmp_path / "d"), load_draft(tmp_path / "f")
+    assert tuned.config.num_hidden_layers == 1
+    for (k, a), (_, b) in zip(sorted(tree_flatten(start.parameters())),
+                              sorted(tree_flatten(tuned.parameters()))):
+        assert np.allclose(np.array(a, dtype=np.float32), np.array(b, dtype=np.float32),
+                           atol=1e-4), k

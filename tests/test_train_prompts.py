@@ -1,0 +1,67 @@
+"""Self-distillation prompts and padded batched decoding of the target's answers."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from dflash_mlx import load, tiny
+from dflash_mlx.bench import DATASETS, load_prompts
+from dflash_mlx.config import build_target_layer_ids
+from dflash_mlx.train_data import _chat_ids, load_shards, self_distill_features
+from dflash_mlx.train_prompts import chat_prompts, stdlib_functions
+
+
+def test_prompts_are_seeded_distinct_and_cover_every_family():
+    a = chat_prompts(600, seed=5)
+    assert a == chat_prompts(600, seed=5)
+    assert a != chat_prompts(600, seed=6)
+    assert len(set(a)) == 600
+    families = {
+        "code stub": lambda p: "def " in p and '"""' in p,
+        "write a function": lambda p: p.startswith("Write a function to"),
+        "boxed maths": lambda p: p.endswith("\\boxed{}."),
+        "latex": lambda p: "$" in p,
+        "role-play": lambda p: p.startswith("Pretend you are"),
+        "writing": lambda p: p.split()[0] in ("Compose", "Draft", "Create"),
+    }
+    for name, match in families.items():
+        share = sum(map(match, a)) / len(a)
+        assert share > 0.02, f"{name}: {share:.1%}"
+    assert len(stdlib_functions()) > 200
+
+
+def test_no_prompt_is_taken_from_a_benchmark():
+    """Training on the benchmark's own prompts would inflate every τ it reports."""
+    ours = set(chat_prompts(5000, seed=0))
+    stubbed = {re.match(r"def (\w+)", sig).group(1) for _, sig, _ in stdlib_functions()}
+    for name in DATASETS:
+        _, items = load_prompts(name)
+        for turns in items:
+            for turn in turns:
+                assert turn not in ours
+                assert turn.split("\n")[0] not in ours
+                m = re.search(r"\ndef (\w+)\(", turn)
+                if m:
+                    assert m.group(1) not in stubbed, m.group(1)
+
+
+def test_padded_batches_equal_one_prompt_at_a_time(tmp_path):
+    """Prompts of different lengths decoded together (left-padded, per-row positions) give the
+    same answers, predictions and taps as each prompt alone."""
+    pair = load(tiny.make_target(tmp_path / "target"), None, weights="float32")
+    pair.target.set_taps(build_target_layer_ids(pair.target.num_layers, 2))
+    prompts = chat_prompts(6, seed=1)
+    assert len({len(_chat_ids(pair.tokenizer, p)) for p in prompts}) >= 3
+    for name, batch in (("together", 6), ("alone", 1)):
+        self_distill_features(pair.target, pair.tokenizer, prompts, tmp_path / name,
+                              max_tokens=12, batch_size=batch)
+    together, alone = load_shards(tmp_path / "together"), load_shards(tmp_path / "alone")
+    assert len(together) == len(alone) == 1
+    t, s = together[0], alone[0]
+    assert t.num_sequences == s.num_sequences == 6
+    assert np.array_equal(t.starts, s.starts) and np.array_equal(t.answers, s.answers)
+    assert np.array_equal(t.tokens, s.tokens)
+    assert np.array_equal(t.preds, s.preds)
+    np.testing.assert_allclose(t.taps.astype(np.float32), s.taps.astype(np.float32), atol=2e-2)
