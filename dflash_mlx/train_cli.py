@@ -19,28 +19,18 @@ console = Console(stderr=True)
 
 def build_features(pair, out: Path, *, prompts: int, max_tokens: int, batch: int,
                    sampled_fraction: float, texts: list[Path], seed: int) -> int:
-    from .train_data import extract_features, self_distill_features, text_sequences
+    from .train_data import distill_prompts, extract_features, text_sequences
     from .train_prompts import chat_prompts
 
     chosen = chat_prompts(prompts, seed)
-    n_greedy = int(len(chosen) * (1 - sampled_fraction))
-    total = 0
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
                   TimeRemainingColumn(), console=console) as bar:
         task = bar.add_task("self-distilling", total=len(chosen))
-        base = 0
-
-        def step(done, _total):
-            bar.update(task, completed=base + done)
-
-        total += self_distill_features(pair.target, pair.tokenizer, chosen[:n_greedy], out,
-                                       max_tokens=max_tokens, batch_size=batch, progress=step)
-        base = n_greedy
-        if n_greedy < len(chosen):
-            total += self_distill_features(pair.target, pair.tokenizer, chosen[n_greedy:], out,
-                                           max_tokens=max_tokens, batch_size=batch,
-                                           temperature=0.7, seed=seed, progress=step)
+        total = distill_prompts(pair.target, pair.tokenizer, chosen, out,
+                                sampled_fraction=sampled_fraction, max_tokens=max_tokens,
+                                batch_size=batch, seed=seed,
+                                progress=lambda done, _: bar.update(task, completed=done))
         if texts:
             t2 = bar.add_task("teacher-forcing text", total=None)
             corpus = (p.read_text(errors="replace") for p in texts)

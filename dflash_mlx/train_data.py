@@ -77,6 +77,25 @@ def self_distill_features(target: Target, tokenizer, prompts: list[str], out_dir
     return writer.total
 
 
+def distill_prompts(target: Target, tokenizer, prompts: list[str], out_dir: Path, *,
+                    sampled_fraction: float, max_tokens: int, batch_size: int, seed: int = 0,
+                    progress: Callable[[int, int], None] | None = None) -> int:
+    """Greedy answers to the first prompts, answers sampled at T=0.7 to the last
+    `sampled_fraction`; `progress(done, total)` counts over both. Returns tokens written."""
+    n_greedy = int(len(prompts) * (1 - sampled_fraction))
+
+    def after(base):
+        return None if progress is None else (lambda done, _: progress(base + done, len(prompts)))
+
+    total = self_distill_features(target, tokenizer, prompts[:n_greedy], out_dir,
+                                  max_tokens=max_tokens, batch_size=batch_size, progress=after(0))
+    if n_greedy < len(prompts):
+        total += self_distill_features(target, tokenizer, prompts[n_greedy:], out_dir,
+                                       max_tokens=max_tokens, batch_size=batch_size,
+                                       temperature=0.7, seed=seed, progress=after(n_greedy))
+    return total
+
+
 def _chat_ids(tokenizer, prompt: str) -> list[int]:
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                         add_generation_prompt=True)

@@ -17,7 +17,7 @@ from dflash_mlx.demo import demo_target_path
 from dflash_mlx.gguf import load_gguf
 from dflash_mlx.load import convert_weights
 from dflash_mlx.target import Target
-from dflash_mlx.train_data import self_distill_features
+from dflash_mlx.train_data import distill_prompts
 from dflash_mlx.train_prompts import chat_prompts
 
 
@@ -34,19 +34,14 @@ def main():
     convert_weights(model, mx.float32)
     target = Target(model, build_target_layer_ids(len(model.layers), 5))
     prompts = chat_prompts(args.prompts, args.seed)
-    n_greedy = int(len(prompts) * (1 - args.sampled_fraction))
     tic = time.time()
 
     def progress(done, total):
         print(f"{done}/{total} prompts, {time.time() - tic:.0f}s", file=sys.stderr, flush=True)
 
-    greedy, sampled = prompts[:n_greedy], prompts[n_greedy:]
-    n = self_distill_features(target, tok, greedy, args.out, max_tokens=args.max_tokens,
-                              batch_size=args.batch, progress=progress)
-    if sampled:
-        n += self_distill_features(target, tok, sampled, args.out, max_tokens=args.max_tokens,
-                                   batch_size=args.batch, temperature=0.7, seed=args.seed,
-                                   progress=progress)
+    n = distill_prompts(target, tok, prompts, args.out, sampled_fraction=args.sampled_fraction,
+                        max_tokens=args.max_tokens, batch_size=args.batch, seed=args.seed,
+                        progress=progress)
     print(f"{n} tokens in {time.time() - tic:.0f}s", file=sys.stderr)
 
 if __name__ == "__main__":
