@@ -80,6 +80,8 @@ def run(model: str, out: Path, *, features: Path | None, prompts: int, max_token
     for t in texts:
         if not t.is_file():
             raise InvalidArgumentError(f"--text {t}: no such file")
+    if init is not None and not (Path(init) / "config.json").is_file():
+        raise InvalidArgumentError(f"--init {init}: not a draft folder (no config.json)")
     console.print(f"loading target {model}")
     pair = load(model, None, weights=weights)
     if init is not None:  # fine-tune: depth, block size, taps and mask come from the draft

@@ -229,6 +229,8 @@ def test_train_draft_cli_end_to_end(tmp_path):
                                           "--features", str(tmp_path / "d" / "features"),
                                           "--layers", "3", "--steps", "1", "--lr", "1e-9"])
     assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "g"), "--init", str(tmp_path / "no")])
+    assert res.exit_code == 2 and "not a draft folder" in res.output and "Traceback" not in res.output
     start, tuned = load_draft(tmp_path / "d"), load_draft(tmp_path / "f")
     assert tuned.config.num_hidden_layers == 1
     for (k, a), (_, b) in zip(sorted(tree_flatten(start.parameters())),
