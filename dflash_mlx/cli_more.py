@@ -10,6 +10,7 @@ import typer
 from . import render
 from .cli_options import (
     DEFAULT_BLOCK_SIZE, DEFAULT_MAX_TOKENS, S, BlockSizeOpt, DraftBitsOpt, DraftOpt, MaxTokensOpt,
+    MinConfidenceOpt,
     ModelOpt, NoDraftOpt, ReasoningOpt, SeedOpt, SystemOpt, TempOpt, TopKOpt, TopPOpt, WeightsOpt,
     app,
 )
@@ -24,6 +25,7 @@ def chat(
     block_size: BlockSizeOpt = DEFAULT_BLOCK_SIZE,
     draft_bits: DraftBitsOpt = 4,
     weights: WeightsOpt = "auto",
+    min_confidence: MinConfidenceOpt = None,
     max_tokens: MaxTokensOpt = 2048,
     temp: TempOpt = 0.0,
     top_p: TopPOpt = 1.0,
@@ -40,13 +42,14 @@ def chat(
     from . import prepare
 
     prepare.check_sampling(max_tokens, temp, top_p, top_k, seed)
-    prepare.check_load_options(draft_bits, weights)
+    prepare.check_load_options(draft_bits, weights, min_confidence)
     (requested,) = [1] if no_draft else prepare.parse_block_sizes(block_size, allow_list=False)
     settings = ChatSettings(block_size=requested if isinstance(requested, int) else 5,
                             temperature=temp, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                             seed=seed, reasoning=reasoning, system_prompt=system_prompt)
     loader = registry_loader(settings, model=model, draft=draft, no_draft=no_draft,
-                             draft_bits=draft_bits, weights=weights, block_size=requested)
+                             draft_bits=draft_bits, weights=weights, block_size=requested,
+                             min_confidence=min_confidence)
     raise typer.Exit(run_chat(settings, loader, resume=resume))
 
 
@@ -58,6 +61,7 @@ def serve(
     block_size: BlockSizeOpt = DEFAULT_BLOCK_SIZE,
     draft_bits: DraftBitsOpt = 4,
     weights: WeightsOpt = "auto",
+    min_confidence: MinConfidenceOpt = None,
     host: Annotated[str, typer.Option(
         help="Address to listen on; 0.0.0.0 opens the server to the network.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port; 0 picks a free one.")] = 8000,
@@ -85,7 +89,7 @@ def serve(
     prepare.check_sampling(max_tokens, temp, top_p, top_k, None)
     (requested,) = [1] if no_draft else prepare.parse_block_sizes(block_size, allow_list=False)
     server_cli.serve(registry.resolve(model, draft, no_draft), requested, draft_bits=draft_bits,
-                     weights=weights, host=host, port=port, api_key=api_key,
+                     weights=weights, min_confidence=min_confidence, host=host, port=port, api_key=api_key,
                      model_name=served_model_name, queue_size=queue_size, log_level=log_level,
                      defaults={"max_tokens": max_tokens, "temperature": temp, "top_p": top_p,
                                "top_k": top_k})

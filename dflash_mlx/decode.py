@@ -31,11 +31,11 @@ class BlockEvent:
     Args:
         tokens: ids committed this round (an EOS that ends generation is included).
         text: decoded text delta (the EOS is not rendered).
-        drafted: ids the draft proposed for slots 1..B-1 ([] for the AR baseline).
+        drafted: ids the draft proposed and the target verified ([] for the AR baseline).
         accepted: how many drafted ids the target accepted.
         accept_flags: per draft position, whether it was accepted.
         draft_s, verify_s: seconds spent drafting and verifying (incl. accept/rollback).
-        block_size: verify width of this round.
+        block_size: verify width of this round (1 + len(drafted)).
         prompt_tokens: prompt tokens prefilled by this call (reused ones excluded).
         reused_tokens: prompt tokens served from the session cache.
         prompt_s: prefill seconds (same on every event of a call).
@@ -56,6 +56,7 @@ class BlockEvent:
     prompt_s: float
     generation_tokens: int
     finish_reason: str | None = None
+    trimmed: int = 0  # drafted slots cut before verification for low draft confidence
 
     @property
     def acceptance_length(self) -> int:
@@ -150,7 +151,8 @@ def prefill(pair, session: Session, prompt: list[int]) -> tuple[int, int]:
     return len(todo), keep
 
 
-def _check_args(pair, block_size: int, max_tokens: int, params: SamplingParams):
+def _check_args(pair, block_size: int, max_tokens: int, params: SamplingParams,
+                min_confidence: float = 0.0):
     if block_size < 1:
         raise InvalidArgumentError(f"block size must be at least 1, got {block_size}")
     if block_size > 1:
@@ -169,6 +171,8 @@ def _check_args(pair, block_size: int, max_tokens: int, params: SamplingParams):
         raise InvalidArgumentError(f"top_p must be in (0, 1], got {params.top_p}")
     if params.top_k < 0:
         raise InvalidArgumentError(f"top_k must be ≥ 0, got {params.top_k}")
+    if not 0 <= min_confidence <= 1:
+        raise InvalidArgumentError(f"min_confidence must be in [0, 1], got {min_confidence}")
 
 
 def encode_prompt(pair, prompt: str | list[int]) -> list[int]:
@@ -200,6 +204,7 @@ def stream_generate(
     top_k: int = 0,
     seed: int | None = None,
     session: Session | None = None,
+    min_confidence: float | None = None,
 ) -> Iterator[BlockEvent]:
     """Generate with DFlash speculation (block_size > 1) or plain AR (block_size == 1).
 
@@ -209,12 +214,18 @@ def stream_generate(
         block_size: verify width B: the last token plus B-1 drafted tokens.
         seed: seeds the sampler's PRNG so a run is reproducible.
         session: reuse caches across calls; only the tokens the prompt adds are prefilled.
+        min_confidence: verify only the leading drafted tokens the draft gives at least this
+            probability (0: the whole block); None uses `pair.min_confidence`. Exactness
+            does not depend on it, only the cost of a round does.
 
     Yields:
         One `BlockEvent` per verify round; the last one carries `finish_reason`.
     """
     params = SamplingParams(float(temperature), float(top_p), int(top_k))
-    _check_args(pair, block_size, max_tokens, params)
+    if min_confidence is None:
+        min_confidence = getattr(pair, "min_confidence", 0.0)
+    min_confidence = float(min_confidence)
+    _check_args(pair, block_size, max_tokens, params, min_confidence)
     ids = encode_prompt(pair, prompt)
     speculate = block_size > 1
     if session is None:
@@ -246,7 +257,8 @@ def stream_generate(
                 key, dkey = mx.random.split(key)
             try:
                 tokens, q = pair.draft.propose(
-                    block, session.pending, session.draft_cache, params=params, key=dkey
+                    block, session.pending, session.draft_cache, params=params, key=dkey,
+                    min_confidence=min_confidence,
                 )
                 mx.eval(tokens)
                 session.pending = None
@@ -307,12 +319,13 @@ def stream_generate(
             accept_flags=[i < accepted for i in range(len(drafted))],
             draft_s=draft_s,
             verify_s=verify_s,
-            block_size=width,
+            block_size=1 + len(drafted),
             prompt_tokens=n_prompt,
             reused_tokens=n_reused,
             prompt_s=prompt_s,
             generation_tokens=produced,
             finish_reason=finish,
+            trimmed=max(width - 1 - len(drafted), 0),
         )
         if finish is not None:
             return

@@ -267,16 +267,32 @@ class DFlashDraftModel(nn.Module):
 
     def propose(
         self, block_ids: mx.array, context: mx.array | None, cache: list[ContextCache],
-        params=None, key: mx.array | None = None,
+        params=None, key: mx.array | None = None, min_confidence: float = 0.0,
     ) -> tuple[mx.array, mx.array | None]:
         """Draft tokens for slots 1..L-1 and their proposal distribution (None = one-hot).
 
         v1 drafts propose the per-slot argmax: the slots are independent marginals, so
         sampling them would give an incoherent block; a one-hot q keeps the sampler exact.
         `params` (SamplingParams) and `key` are for DFlash 2's selector; v1 ignores them.
+
+        `min_confidence` > 0 keeps only the leading slots whose proposal probability reaches
+        it, so the target verifies fewer tokens where the draft is unsure: that pays where
+        each verified token costs (the CPU). The cut depends on the draft alone, so the
+        verification, and with it the output distribution, is unchanged.
         """
-        hidden = self(block_ids, context, cache)
-        return self.greedy_tokens(hidden[:, 1:])[0], None
+        hidden = self(block_ids, context, cache)[:, 1:]
+        if min_confidence <= 0:
+            return self.greedy_tokens(hidden)[0], None
+        logits = self.proposal_logits(hidden)[0].astype(mx.float32)
+        best = mx.argmax(logits, axis=-1)
+        confidence = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1))
+        ids = best if self._borrowed.head_ids is None else self._borrowed.head_ids[best]
+        keep = 0
+        for c in confidence.tolist():
+            if c < min_confidence:
+                break
+            keep += 1
+        return ids[:keep], None
 
     def proposal_logits(self, hidden: mx.array) -> mx.array:
         """Logits over the ids the draft proposes from: the restricted head's rows when set."""

@@ -39,10 +39,23 @@ class Pair:
     weights: str = "quantized"
     draft_bits: int = 16
     info: dict = field(default_factory=dict)
+    min_confidence: float = 0.0  # stream_generate's default (see `auto_min_confidence`)
 
 
 def on_cpu() -> bool:
     return mx.default_device() == mx.cpu
+
+
+# On the CPU every verified token costs (a width-5 pass is ~1.35× a width-1 pass), so slots
+# the draft is unsure of are cut before verifying. Chosen on prompts outside the benchmark's
+# first items; on a GPU a wider verify is nearly free, so nothing is cut there.
+CPU_MIN_CONFIDENCE = 0.2
+
+
+def auto_min_confidence(draft) -> float:
+    if draft is None or draft.config.is_dflash2:
+        return 0.0  # DFlash 2's selector walks one joint path; it has no per-slot cut
+    return CPU_MIN_CONFIDENCE if on_cpu() else 0.0
 
 
 def resolve(path_or_repo: str | os.PathLike, patterns: list[str], revision: str | None = None,
@@ -218,6 +231,7 @@ def load(
     draft_window: int | None = None,
     selector_bits: int | None = None,
     draft_vocab: bool = True,
+    min_confidence: float | None = None,
 ) -> Pair:
     """Load a target (mlx-lm folder, .gguf file or Hub repo) and a DFlash draft.
 
@@ -229,12 +243,16 @@ def load(
         draft_window: keep at most this many context rows in the draft's KV cache
             (`--draft-window`; None = the draft config's own sliding windows only).
         selector_bits: 4 or 8 quantizes a DFlash 2 selector too (None keeps it as loaded).
+        min_confidence: the pair's default cut of unsure draft slots (`stream_generate`);
+            None: `auto_min_confidence` (0.2 on the CPU device for v1 drafts, else 0).
         draft_vocab: use the draft's `draft_vocab.json` (a restricted proposal head) if it
             ships one; verification stays exact either way.
     """
     say = progress or (lambda _msg: None)
     if draft_bits not in DRAFT_BITS:
         raise DFlashError(f"--draft-bits must be one of 4, 8, 16, got {draft_bits}")
+    if min_confidence is not None and not 0 <= min_confidence <= 1:
+        raise DFlashError(f"--min-confidence must be in [0, 1], got {min_confidence}")
     dtype = weights_dtype(weights)
     say(f"loading target {target}")
     t_path = resolve(target, MODEL_PATTERNS, revisions[0], progress=progress is not None)
@@ -260,8 +278,10 @@ def load(
         if draft_vocab and not cfg.is_dflash2:
             d_model.restrict_head(vocab_ids(folder))
     policy = weights if weights != "auto" else ("float32" if dtype is not None else "quantized")
+    if min_confidence is None:
+        min_confidence = auto_min_confidence(d_model)
     return Pair(tgt, d_model, tokenizer, str(target), None if draft is None else str(draft),
-                weights=policy, draft_bits=draft_bits)
+                weights=policy, draft_bits=draft_bits, min_confidence=float(min_confidence))
 
 
 def pair_from_models(model: nn.Module, tokenizer, draft: DFlashDraftModel | None = None,

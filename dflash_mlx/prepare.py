@@ -58,7 +58,7 @@ def check_sampling(max_tokens: int, temp: float, top_p: float, top_k: int,
             "seed": seed}
 
 
-def check_load_options(draft_bits: int, weights: str) -> None:
+def check_load_options(draft_bits: int, weights: str, min_confidence: float | None = None) -> None:
     from .load import DRAFT_BITS, WEIGHT_POLICIES
 
     if draft_bits not in DRAFT_BITS:
@@ -67,6 +67,8 @@ def check_load_options(draft_bits: int, weights: str) -> None:
     if weights not in WEIGHT_POLICIES:
         raise InvalidArgumentError(f"--weights must be one of {', '.join(WEIGHT_POLICIES)}, "
                                    f"got {weights!r}")
+    if min_confidence is not None and not 0 <= min_confidence <= 1:
+        raise InvalidArgumentError(f"--min-confidence must be in [0, 1], got {min_confidence}")
 
 
 def parse_block_sizes(text: str, allow_auto: bool = True, allow_list: bool = True) -> list[int | str]:
@@ -116,14 +118,15 @@ def read_prompt(positional: str | None, option: str | None) -> str:
     return text
 
 
-def open_pair(spec: registry.Spec, draft_bits: int, weights: str, say: Say = None):
+def open_pair(spec: registry.Spec, draft_bits: int, weights: str, say: Say = None,
+              min_confidence: float | None = None):
     """Download what `spec` names (narrow patterns, progress bars) and load it.
 
     Returns (pair, Loaded).
     """
     from .load import DRAFT_PATTERNS, MODEL_PATTERNS, load, resolve
 
-    check_load_options(draft_bits, weights)
+    check_load_options(draft_bits, weights, min_confidence)
     if say and spec.entry and spec.entry.missing:
         say(f"note: {spec.entry.name} needs {', '.join(spec.entry.missing)} support, which this "
             "version does not have yet; it may fail to load or run")
@@ -133,7 +136,8 @@ def open_pair(spec: registry.Spec, draft_bits: int, weights: str, say: Say = Non
     d_path = None
     if spec.draft is not None:
         d_path = resolve(spec.draft, DRAFT_PATTERNS, spec.draft_revision, progress=bars)
-    pair = load(t_path, d_path, draft_bits=draft_bits, weights=weights, progress=say)
+    pair = load(t_path, d_path, draft_bits=draft_bits, weights=weights, progress=say,
+                min_confidence=min_confidence)
     loaded = Loaded(
         spec, t_path, d_path,
         spec.target_revision or registry.snapshot_revision(t_path),

@@ -63,9 +63,10 @@ class TextStream:
 def block_line(index: int, ev) -> str:
     """`--verbose`: one line per verify round."""
     timing = f"draft {ev.draft_s * 1e3:6.1f} ms  verify {ev.verify_s * 1e3:6.1f} ms"
-    if not ev.drafted:
+    if not ev.drafted and not ev.trimmed:
         return f"#{index:<4} AR  {' ' * 12}{timing}  {ev.text!r}"
-    bar = "".join("▮" if f else "▯" for f in ev.accept_flags)
+    # · marks a slot cut before verification (--min-confidence)
+    bar = "".join("▮" if f else "▯" for f in ev.accept_flags) + "·" * ev.trimmed
     own = len(ev.tokens) - min(ev.accepted, len(ev.tokens))
     return f"#{index:<4} {bar} {ev.accepted}/{len(ev.drafted)} +{own}  {timing}  {ev.text!r}"
 
@@ -82,6 +83,9 @@ def stats_lines(stats, peak_gb: float, block_size: int) -> list[str]:
         rates = "  ".join(f"{i + 1}:{r:.0%}" for i, r in enumerate(stats.acceptance_rates))
         lines.append(f"Acceptance: τ {stats.tau:.2f} tokens/round over {stats.rounds} rounds "
                      f"(block {block_size}); per position {rates or '-'}")
+        if stats.trimmed:
+            lines.append(f"Cut before verifying: {stats.trimmed} low-confidence draft slots "
+                         "(--min-confidence)")
     lines.append(f"Peak memory: {peak_gb:.3f} GB")
     return lines
 

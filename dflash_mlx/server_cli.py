@@ -98,7 +98,8 @@ def benchmark(base_url: str, api_key: str | None, model: str | None, dataset: st
         render.note(f"card written to {out}")
 
 
-def serve(spec, requested, *, draft_bits: int, weights: str, host: str, port: int,
+def serve(spec, requested, *, draft_bits: int, weights: str, min_confidence: float | None,
+          host: str, port: int,
           api_key: str | None, model_name: str | None, queue_size: int, log_level: str,
           defaults: dict) -> None:
     """`serve`: bind, load the pair, then answer until Ctrl-C."""
@@ -112,10 +113,11 @@ def serve(spec, requested, *, draft_bits: int, weights: str, host: str, port: in
         raise InvalidArgumentError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
     if api_key is not None and not api_key.strip():
         raise InvalidArgumentError("--api-key is empty")
-    prepare.check_load_options(draft_bits, weights)
+    prepare.check_load_options(draft_bits, weights, min_confidence)
     sock = bind(host, port)
     try:
-        pair, loaded = prepare.open_pair(spec, draft_bits, weights, render.progress)
+        pair, loaded = prepare.open_pair(spec, draft_bits, weights, render.progress,
+                                         min_confidence)
         block = prepare.choose_block(pair, loaded, requested, render.note)
     except BaseException:
         sock.close()

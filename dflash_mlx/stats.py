@@ -19,6 +19,7 @@ class Stats:
     rounds: int = 0
     tokens: int = 0
     drafted_rounds: int = 0
+    trimmed: int = 0  # drafted slots cut for low confidence (never verified)
     position_tries: list[int] = field(default_factory=list)
     position_hits: list[int] = field(default_factory=list)
     draft_s: float = 0.0
@@ -42,6 +43,7 @@ class Stats:
         self.verify_s += ev.verify_s
         if ev.drafted:
             self.drafted_rounds += 1
+        self.trimmed += ev.trimmed
         for i, ok in enumerate(ev.accept_flags):
             while len(self.position_tries) <= i:
                 self.position_tries.append(0)
@@ -79,6 +81,7 @@ class Stats:
             "generation_tokens": self.tokens,
             "tau": round(self.tau, 4),
             "acceptance_rates": [round(r, 4) for r in self.acceptance_rates],
+            "trimmed_slots": self.trimmed,
             "draft_s": round(self.draft_s, 4),
             "verify_s": round(self.verify_s, 4),
             "generation_tps": round(self.tokens_per_s, 3),

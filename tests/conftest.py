@@ -36,7 +36,9 @@ def tiny(tmp_path_factory) -> SimpleNamespace:
     """Tiny models in the real on-disk formats.
 
     target/draft: random qwen3 target (context 2048) and a random draft trained for block 8.
-    oracle_target/oracle_draft: both always predict token 0, so every draft is accepted.
+    oracle_target/oracle_draft: both always predict token 0, so every draft is accepted. Their
+    logits are flat (token 0 wins the tie), so the CPU's default --min-confidence cuts every
+    slot: tests that want whole blocks pass 0.
     The bad_* drafts and broken_target each trigger one load error.
     """
     from dflash_mlx.tiny import draft_config, make_draft, make_target

@@ -47,7 +47,7 @@ def test_runs_interleave_and_alternate(tiny, monkeypatch):
     from dflash_mlx.load import load
     from dflash_mlx.prepare import encoder
 
-    pair = load(tiny.oracle_target, tiny.oracle_draft)
+    pair = load(tiny.oracle_target, tiny.oracle_draft, min_confidence=0.0)
     order = []
     real = bench.generate_once
 
@@ -88,7 +88,7 @@ def test_multi_turn_history_uses_the_ar_answer(tiny):
 def test_parity_helpers(tiny):
     from dflash_mlx.load import load
 
-    pair = load(tiny.oracle_target, tiny.oracle_draft)
+    pair = load(tiny.oracle_target, tiny.oracle_draft, min_confidence=0.0)
     ids = pair.tokenizer.encode("hello")
     assert bench.logit_margin(pair, ids, 0, 5) == pytest.approx(0.0)  # all logits are 0
     p = bench.check_parity(pair, ids, [0] * 6, max_tokens=6)
@@ -103,7 +103,7 @@ def test_benchmark_command_writes_a_card(tiny, isolated_cache, tmp_path):
     r = runner.invoke(app, ["benchmark", "--model", str(tiny.oracle_target), "--draft",
                             str(tiny.oracle_draft), "--dataset", "gsm8k,mt-bench",
                             "--num-prompts", "1", "--max-tokens", "8", "--block-size", "2,4",
-                            "--repeats", "2", "--out", str(out)])
+                            "--repeats", "2", "--min-confidence", "0", "--out", str(out)])
     assert r.exit_code == 0, r.output
     assert "speedup" in r.stdout and "gsm8k" in r.stdout and "all" in r.stdout
     card = json.loads(out.read_text())
@@ -114,6 +114,7 @@ def test_benchmark_command_writes_a_card(tiny, isolated_cache, tmp_path):
     assert card["models"]["draft"]["bits"] == 4 and card["models"]["weights"] == "float32"
     s = card["settings"]
     assert (s["block_sizes"], s["repeats"], s["max_tokens"], s["temperature"]) == ([2, 4], 2, 8, 0.0)
+    assert s["min_confidence"] == 0.0
     assert card["datasets"]["gsm8k"]["license"] == "MIT" and card["datasets"]["mt-bench"]["items"] == 1
     rows = {(row["dataset"], row["block_size"]): row for row in card["results"]}
     assert set(rows) == {(d, b) for d in ("gsm8k", "mt-bench", "all") for b in (2, 4)}

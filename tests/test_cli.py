@@ -59,12 +59,21 @@ def test_quiet_and_verbose(tiny):
 
 
 def test_oracle_draft_accepts_every_position(tiny):
-    r = gen(tiny, "Hi", "--max-tokens", 12, "--block-size", 4, target=tiny.oracle_target,
-            draft=tiny.oracle_draft)
+    r = gen(tiny, "Hi", "--max-tokens", 12, "--block-size", 4, "--min-confidence", 0,
+            target=tiny.oracle_target, draft=tiny.oracle_draft)
     assert r.exit_code == 0, r.output
     assert r.stdout == "!" * 12 + "\n"  # token 0 is "!"
     assert "τ 4.00 tokens/round over 3 rounds" in r.stderr
     assert "1:100%  2:100%  3:100%" in r.stderr
+    assert "Cut before verifying" not in r.stderr
+    # everything cut: the same text from plain AR rounds, and the cut is reported
+    r = gen(tiny, "Hi", "--max-tokens", 12, "--block-size", 4, "--min-confidence", 1,
+            target=tiny.oracle_target, draft=tiny.oracle_draft)
+    assert r.exit_code == 0, r.output
+    assert r.stdout == "!" * 12 + "\n"
+    assert "τ 1.00 tokens/round over 12 rounds" in r.stderr
+    # 9 rounds of 3 slots, then 2, 1, 0 as max_tokens narrows the last blocks
+    assert "Cut before verifying: 30 low-confidence draft slots" in r.stderr
 
 
 def test_prompt_from_stdin(tiny):
@@ -104,15 +113,20 @@ def test_events_jsonl_schema(tiny, tmp_path):
     blocks, summary = rows[:-1], rows[-1]
     keys = {"type", "index", "tokens", "text", "drafted", "accepted", "accept_flags", "draft_s",
             "verify_s", "block_size", "prompt_tokens", "reused_tokens", "prompt_s",
-            "generation_tokens", "finish_reason"}
+            "generation_tokens", "finish_reason", "trimmed"}
     assert all(set(b) == keys and b["type"] == "block" for b in blocks)
     assert [b["index"] for b in blocks] == list(range(len(blocks)))
     assert sum(len(b["tokens"]) for b in blocks) == 10
     assert "".join(b["text"] for b in blocks) + "\n" == r.stdout
     assert blocks[-1]["finish_reason"] == "length"
     assert all(len(b["drafted"]) == len(b["accept_flags"]) for b in blocks)
+    assert all(b["block_size"] == 1 + len(b["drafted"]) for b in blocks)
+    # every slot the block offered was verified or cut; max_tokens narrows the last blocks
+    for b in blocks:
+        before = b["generation_tokens"] - len(b["tokens"])
+        assert len(b["drafted"]) + b["trimmed"] == min(3, 10 - before) - 1
     assert summary["type"] == "summary"
-    for key in ("versions", "target", "draft", "block_size", "sampling", "stats",
+    for key in ("versions", "target", "draft", "block_size", "min_confidence", "sampling", "stats",
                 "peak_memory_gb", "interrupted", "weights"):
         assert key in summary, key
     assert summary["versions"]["mlx"] and summary["versions"]["dflash-mlx"]
@@ -136,8 +150,8 @@ def test_ctrl_c_stops_at_a_block_boundary(tiny, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(decode, "stream_generate", interrupted)
-    r = gen(tiny, "Hello", "--max-tokens", 50, "--block-size", 3, target=tiny.oracle_target,
-            draft=tiny.oracle_draft)
+    r = gen(tiny, "Hello", "--max-tokens", 50, "--block-size", 3, "--min-confidence", 0,
+            target=tiny.oracle_target, draft=tiny.oracle_draft)
     assert r.exit_code == 130
     assert r.stdout == "!!!!!!\n"  # two whole blocks of three
     assert "interrupted after 6 tokens" in r.stderr and "Generation: 6 tokens" in r.stderr
@@ -181,8 +195,8 @@ def test_parity_check_calls_a_tiny_margin_a_near_tie(tiny, monkeypatch):
 
     # All-zero logits plus 1e-6 noise: AR picks another token by a margin far below 0.01.
     _tamper_ar(monkeypatch, lambda w: 1e-6 * mx.random.normal(w.shape))
-    r = gen(tiny, "Hello", "--max-tokens", 8, "--check-parity", target=tiny.oracle_target,
-            draft=tiny.oracle_draft)
+    r = gen(tiny, "Hello", "--max-tokens", 8, "--check-parity", "--min-confidence", 0,
+            target=tiny.oracle_target, draft=tiny.oracle_draft)
     assert r.exit_code == 0, r.output
     assert "first divergence at token 0" in r.stderr and "→ near-tie" in r.stderr
 

@@ -40,8 +40,8 @@ class ScriptedDraft(DFlashDraftModel):
 
     script: Script | None = None
 
-    def propose(self, block_ids, context, cache, params=None, key=None):
-        tokens, q = super().propose(block_ids, context, cache, params=params, key=key)
+    def propose(self, block_ids, context, cache, **kw):
+        tokens, q = super().propose(block_ids, context, cache, **kw)
         mx.eval(tokens)  # run the real forward, as the engine would (it materialises the cache)
         s = self.script
         pos = cache[0].offset  # absolute position of block slot 0

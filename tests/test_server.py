@@ -26,7 +26,8 @@ def servers(tiny, tmp_path_factory):
     plain = ss.start(["--model", tiny.target, "--draft", tiny.draft, "--log-level", "warning"],
                      logs / "plain.log")
     keyed = ss.start(["--model", tiny.oracle_target, "--draft", tiny.oracle_draft,
-                      "--block-size", "4", "--api-key", KEY, "--queue-size", "1",
+                      "--block-size", "4", "--min-confidence", "0", "--api-key", KEY,
+                      "--queue-size", "1",
                       "--served-model-name", "oracle", "--log-level", "warning"],
                      logs / "keyed.log")
     try:

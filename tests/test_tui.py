@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -156,6 +157,10 @@ def test_panel_glyphs_and_bars():
     assert block_glyphs(ev([1, 2, 3, 4], "", 3)) == "▮▮▮▯ 3/4 +1"
     assert block_glyphs(ev([1, 2], "", 2)) == "▮▮▯▯ 2/4"  # cut by EOS: no target token
     assert block_glyphs(ev([7], "", 0, block=1)) == "AR step +1"
+    cut = dataclasses.replace(ev([1, 2], "", 1, block=3), trimmed=2)  # 2 verified, 2 cut
+    assert block_glyphs(cut) == "▮▯·· 1/2 +1"
+    all_cut = dataclasses.replace(ev([7], "", 0, block=1), trimmed=4)
+    assert block_glyphs(all_cut) == "···· 0/0 +1"
     assert bar(0.5, 4).plain == "██··"
 
 

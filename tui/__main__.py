@@ -33,6 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft-bits", type=int, default=4, choices=(4, 8, 16))
     p.add_argument("--weights", default="auto",
                    choices=("auto", "quantized", "float32", "bfloat16"))
+    p.add_argument("--min-confidence", type=float,
+                   help="verify only drafted tokens the draft gives at least this probability")
     return p.parse_args(argv)
 
 
@@ -45,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
                             system_prompt=a.system_prompt)
     loader = registry_loader(settings, model=a.model, draft=a.draft, no_draft=a.no_draft,
                              draft_bits=a.draft_bits, weights=a.weights,
-                             block_size=1 if a.no_draft else block)
+                             block_size=1 if a.no_draft else block,
+                             min_confidence=a.min_confidence)
     return run_chat(settings, loader, resume=a.resume)
 
 

@@ -29,13 +29,14 @@ def bar(fraction: float, width: int = BAR_WIDTH) -> Content:
 
 
 def block_glyphs(ev: BlockEvent) -> str:
-    """`▮▮▮▯ 3/4 +1`: accepted drafts of the round, and the target's own token."""
-    if not ev.drafted:
+    """`▮▮▯· 2/3 +1`: accepted drafts of the round, rejected ones, slots cut for low draft
+    confidence (·, never verified), and the target's own token."""
+    if not ev.drafted and not ev.trimmed:
         return "AR step +1" if ev.tokens else "AR step"
     n = len(ev.drafted)
     k = min(ev.accepted, len(ev.tokens))
     extra = " +1" if len(ev.tokens) > k else ""
-    return f"{'▮' * k}{'▯' * (n - k)} {k}/{n}{extra}"
+    return f"{'▮' * k}{'▯' * (n - k)}{'·' * ev.trimmed} {k}/{n}{extra}"
 
 
 def round_cost_tau(stats: Stats, baseline_tps: float | None) -> float | None:
