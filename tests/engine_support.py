@@ -7,8 +7,20 @@ import random
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
+from dflash_mlx import load
 from dflash_mlx.draft import DFlashDraftModel
 from dflash_mlx.target import Target
+
+
+def float32_pair(target_dir, draft_dir, draft_cls, target_cls=None):
+    """A float32 pair whose draft (and target) are test subclasses with the loaded weights."""
+    pair = load(target_dir, draft_dir, draft_bits=16, weights="float32")
+    draft = draft_cls(pair.draft.config)
+    draft.update(pair.draft.parameters())
+    if target_cls is not None:
+        pair.target = target_cls(pair.target.model, pair.draft.config.target_layer_ids)
+    pair.draft = draft.bind(pair.target)
+    return pair
 
 
 def mlx_lm_greedy(model, prompt: list[int], n: int) -> list[int]:

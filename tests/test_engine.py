@@ -12,7 +12,9 @@ from dflash_mlx.decode import Session
 from dflash_mlx.load import convert_weights, load_draft, pair_from_models
 from dflash_mlx.target import Target
 from dflash_mlx import tiny
-from engine_support import Oracle, OracleDraft, RecordingTarget, cache_arrays, mlx_lm_greedy
+from engine_support import (
+    Oracle, OracleDraft, RecordingTarget, cache_arrays, float32_pair, mlx_lm_greedy,
+)
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
@@ -26,12 +28,7 @@ def tiny_dirs(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def oracle_pair(tiny_dirs):
     """float32 target + oracle draft, with verify passes recorded."""
-    pair = load(*tiny_dirs, draft_bits=16, weights="float32")
-    draft = OracleDraft(pair.draft.config)
-    draft.update(pair.draft.parameters())
-    pair.target = RecordingTarget(pair.target.model, pair.draft.config.target_layer_ids)
-    pair.draft = draft.bind(pair.target)
-    return pair
+    return float32_pair(*tiny_dirs, OracleDraft, RecordingTarget)
 
 
 def _run(pair, prompt, **kw):

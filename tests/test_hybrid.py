@@ -19,7 +19,7 @@ from dflash_mlx.draft import DFlashDraftModel
 from dflash_mlx.hybrid import HybridCache, HybridTarget, RollbackError, _CapturingGDN
 from dflash_mlx.target import Target
 from dflash_mlx.verify import SamplingParams, sampling_probs
-from engine_support import Recording
+from engine_support import Recording, float32_pair
 from test_dflash2 import pooled_chisquare
 
 V = tiny.VOCAB_SIZE
@@ -75,12 +75,7 @@ def dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pair(dirs):
-    p = load(*dirs, draft_bits=16, weights="float32")
-    draft = ScriptedDraft(p.draft.config)
-    draft.update(p.draft.parameters())
-    p.target = RecordingHybrid(p.target.model, p.draft.config.target_layer_ids)
-    p.draft = draft.bind(p.target)
-    return p
+    return float32_pair(*dirs, ScriptedDraft, RecordingHybrid)
 
 
 def state_of(cache, length):

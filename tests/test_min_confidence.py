@@ -19,7 +19,7 @@ from dflash_mlx.draft import DFlashDraftModel
 from dflash_mlx.errors import InvalidArgumentError
 from dflash_mlx.load import CPU_MIN_CONFIDENCE, pair_from_models
 from dflash_mlx.verify import SamplingParams
-from engine_support import mlx_lm_greedy
+from engine_support import float32_pair, mlx_lm_greedy
 from test_sampling import PROMPT, chi_square, target_rows
 
 
@@ -61,11 +61,8 @@ def dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def watched(dirs):
-    pair = load(*dirs, draft_bits=16, weights="float32")
-    draft = Watched(pair.draft.config)
-    draft.update(pair.draft.parameters())
-    pair.draft = draft.bind(pair.target)
-    draft.seen = Seen()
+    pair = float32_pair(*dirs, Watched)
+    pair.draft.seen = Seen()
     return pair
 
 

@@ -30,6 +30,7 @@ from dflash_mlx.draft import DFlashDraftModel
 from dflash_mlx.verify import (
     SamplingParams, accept_prefix, greedy_accept, rejection_sample, sampling_probs,
 )
+from engine_support import float32_pair
 
 ALPHA = 0.01
 N_DRAWS = 20_000
@@ -338,11 +339,7 @@ class FixedDraft(DFlashDraftModel):
 
 
 def fixed_draft_pair(target_dir: Path, draft_dir: Path):
-    pair = load(target_dir, draft_dir, draft_bits=16, weights="float32")
-    draft = FixedDraft(pair.draft.config)
-    draft.update(pair.draft.parameters())
-    pair.draft = draft.bind(pair.target)
-    return pair
+    return float32_pair(target_dir, draft_dir, FixedDraft)
 
 
 def engine_first_tokens(pair, params: SamplingParams, proposals: list[int], n: int,
