@@ -63,7 +63,8 @@ def app_for(pair, **kw):
 async def settle(pilot):
     """Wait for the workers and the end of the turn (a cancelled thread worker still runs)."""
     await pilot.app.workers.wait_for_complete()
-    for _ in range(500):
+    # up to 30 s: a loaded 2-core CI machine once took over 5 s to end a tiny turn
+    for _ in range(3000):
         if not pilot.app.busy:
             break
         await pilot.pause(0.01)
