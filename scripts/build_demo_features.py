@@ -1,6 +1,7 @@
 """Build the demo draft's training features: SmolLM2's own answers, taps and predictions.
 
 Usage: python scripts/build_demo_features.py OUT_DIR [--prompts 2560] [--max-tokens 160] [--batch 64]
+       [--seed S] [--exclude SEED:COUNT ...]
 
 Writes one shard per batch of prompts, so training can start before the last one lands.
 """
@@ -29,11 +30,19 @@ def main():
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--sampled-fraction", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--exclude", action="append", default=[], metavar="SEED:COUNT",
+                    help="skip prompts an earlier run (--seed SEED --prompts COUNT) answered")
     args = ap.parse_args()
     model, tok = load_gguf(demo_target_path())
     convert_weights(model, mx.float32)
     target = Target(model, build_target_layer_ids(len(model.layers), 5))
     prompts = chat_prompts(args.prompts, args.seed)
+    # Greedy answers to a repeated prompt are identical: re-answering one only wastes target time.
+    seen = set()
+    for spec in args.exclude:
+        seed, count = (int(x) for x in spec.split(":"))
+        seen.update(chat_prompts(count, seed))
+    prompts = [p for p in prompts if p not in seen]
     tic = time.time()
 
     def progress(done, total):
