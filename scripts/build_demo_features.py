@@ -33,14 +33,20 @@ def main():
     ap.add_argument("--exclude", action="append", default=[], metavar="SEED:COUNT",
                     help="skip prompts an earlier run (--seed SEED --prompts COUNT) answered")
     args = ap.parse_args()
+    try:  # checked before the target loads, so a typo costs nothing
+        excluded = [tuple(int(x) for x in spec.split(":")) for spec in args.exclude]
+        if any(len(e) != 2 for e in excluded):
+            raise ValueError
+    except ValueError:
+        print(f"error: --exclude takes SEED:COUNT, got {' '.join(args.exclude)}", file=sys.stderr)
+        raise SystemExit(2) from None
     model, tok = load_gguf(demo_target_path())
     convert_weights(model, mx.float32)
     target = Target(model, build_target_layer_ids(len(model.layers), 5))
     prompts = chat_prompts(args.prompts, args.seed)
     # Greedy answers to a repeated prompt are identical: re-answering one only wastes target time.
     seen = set()
-    for spec in args.exclude:
-        seed, count = (int(x) for x in spec.split(":"))
+    for seed, count in excluded:
         seen.update(chat_prompts(count, seed))
     prompts = [p for p in prompts if p not in seen]
     tic = time.time()
