@@ -63,9 +63,10 @@ WeightsOpt = Annotated[str, typer.Option(
     help="auto | quantized | float32 | bfloat16. auto: float32 on the CPU device (so wider "
     "verify pays), as loaded on a GPU.", rich_help_panel=M)]
 MinConfidenceOpt = Annotated[Optional[float], typer.Option(
-    "--min-confidence", help="Verify only the leading drafted tokens the draft gives at least "
-    "this probability; 0 verifies whole blocks. Default: 0.2 on the CPU device (every verified "
-    "token costs there), 0 on a GPU. The output is the target's either way.",
+    "--min-confidence", help="Verify the leading drafted tokens only while the draft's joint "
+    "probability that all of them are right (the product of their slot probabilities) is at least "
+    "this; 0 verifies whole blocks. Default: 0.1 on the CPU device (every verified token costs "
+    "there), 0 on a GPU. The output is the target's either way.",
     rich_help_panel=M, show_default=False)]
 BlockSizeOpt = Annotated[str, typer.Option(
     "--block-size", help="Verify width: the last token + B-1 drafted ones, 2..the draft's trained "

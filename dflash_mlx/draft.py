@@ -275,10 +275,12 @@ class DFlashDraftModel(nn.Module):
         sampling them would give an incoherent block; a one-hot q keeps the sampler exact.
         `params` (SamplingParams) and `key` are for DFlash 2's selector; v1 ignores them.
 
-        `min_confidence` > 0 keeps only the leading slots whose proposal probability reaches
-        it, so the target verifies fewer tokens where the draft is unsure: that pays where
-        each verified token costs (the CPU). The cut depends on the draft alone, so the
-        verification, and with it the output distribution, is unchanged.
+        `min_confidence` > 0 keeps the leading slots while the product of their proposal
+        probabilities (the draft's own odds that all of them are accepted) reaches it, so the
+        target verifies fewer tokens where the draft is unsure: that pays where each verified
+        token costs (the CPU). Slot k adds a token only if slots 1..k all hold, so the product,
+        not slot k's own probability, is what its verify cost buys. The cut depends on the
+        draft alone, so the verification, and with it the output distribution, is unchanged.
         """
         hidden = self(block_ids, context, cache)[:, 1:]
         if min_confidence <= 0:
@@ -287,9 +289,10 @@ class DFlashDraftModel(nn.Module):
         best = mx.argmax(logits, axis=-1)
         confidence = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1))
         ids = best if self._borrowed.head_ids is None else self._borrowed.head_ids[best]
-        keep = 0
+        keep, joint = 0, 1.0
         for c in confidence.tolist():
-            if c < min_confidence:
+            joint *= c
+            if joint < min_confidence:
                 break
             keep += 1
         return ids[:keep], None

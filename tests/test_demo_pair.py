@@ -62,3 +62,28 @@ def test_demo_tau_on_fixed_prompt(pair):
     for ev in stream_generate(pair, _ids(pair, prompt), max_tokens=96, min_confidence=0.0):
         stats.add(ev)
     assert stats.tau > 1.5, stats.as_dict()
+
+
+def test_cut_replay_equals_a_real_run(pair):
+    """scripts/tune_min_confidence.py chooses the CPU's default cut by replaying greedy rounds
+    from per-position draft records. Its replay must give a real run's rounds exactly (slots
+    kept, slots accepted), for whole blocks and for two cuts; the last rounds, which max_tokens
+    narrows, are left out (the records draft full blocks)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "tune_min_confidence.py"
+    spec = importlib.util.spec_from_file_location("tune_min_confidence", path)
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    ids = _ids(pair, PROMPTS[1])
+    rows = tune.record(pair, ids, 5, 48)
+    cut_somewhere = False
+    for p in (0.0, 0.1, 0.3):
+        events = list(stream_generate(pair, ids, max_tokens=48, min_confidence=p))
+        real = [(len(ev.drafted), ev.accepted) for ev in events
+                if len(ev.drafted) + ev.trimmed == 4]
+        assert len(real) >= 10
+        assert tune.replay(rows, lambda c, p=p: tune.keep_joint(c, p))[: len(real)] == real, p
+        cut_somewhere |= any(ev.trimmed for ev in events)
+    assert cut_somewhere

@@ -1,10 +1,11 @@
 """--min-confidence: unsure draft slots are cut before verifying, and the output stays exact.
 
 The cut depends on the draft alone. Checked here: greedy output equals mlx-lm greedy for
-several thresholds, prompts and block sizes; each round keeps exactly the leading slots whose
-proposal probability (recomputed here with numpy) reaches the threshold; sampling still
-follows the target's distribution, first token and the token after it; the defaults. The
-CLI's bad-input line is in test_cli_errors.py.
+several thresholds, prompts and block sizes; each round keeps exactly the leading slots while
+the product of their proposal probabilities (recomputed here with numpy) reaches the
+threshold (which is not what a per-slot cut would keep); sampling still follows the target's
+distribution, first token and the token after it; the defaults. The CLI's bad-input line is in
+test_cli_errors.py.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def test_greedy_is_exact_and_the_cut_follows_confidence(watched, block, prompt_s
         if tiny.EOS_ID not in reference:
             break
     median = _median_confidence(watched, prompt, block)
-    total_cut = total_kept = 0
+    total_cut = total_kept = differ = 0
     for threshold in (0.0, median, 1.0):
         watched.draft.seen = Seen()
         events = list(stream_generate(watched, prompt, block_size=block, max_tokens=40,
@@ -92,10 +93,15 @@ def test_greedy_is_exact_and_the_cut_follows_confidence(watched, block, prompt_s
         drafted_rounds = [e for e in events if e.drafted or e.trimmed]
         for ev, conf, kept in zip(drafted_rounds, watched.draft.seen.conf,
                                   watched.draft.seen.kept):
-            lead = 0
-            while lead < len(conf) and conf[lead] >= threshold:
+            lead, joint = 0, 1.0
+            while lead < len(conf) and joint * conf[lead] >= threshold:
+                joint *= conf[lead]
                 lead += 1
             assert kept == lead == len(ev.drafted)
+            alone = 0  # what a per-slot cut (each slot's own probability) would keep
+            while alone < len(conf) and conf[alone] >= threshold:
+                alone += 1
+            differ += alone != lead
             assert ev.block_size == 1 + len(ev.drafted)
             assert len(ev.drafted) + ev.trimmed == len(conf)
         if threshold == 0.0:
@@ -106,6 +112,7 @@ def test_greedy_is_exact_and_the_cut_follows_confidence(watched, block, prompt_s
             total_cut += sum(e.trimmed for e in events)
             total_kept += sum(len(e.drafted) for e in events)
     assert total_cut > 0 and total_kept > 0  # the middle threshold really cut some slots
+    assert differ > 0  # and some of its rounds tell the joint cut from a per-slot one
 
 
 def test_sampling_stays_exact_with_the_cut(watched):

@@ -34,7 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weights", default="auto",
                    choices=("auto", "quantized", "float32", "bfloat16"))
     p.add_argument("--min-confidence", type=float,
-                   help="verify only drafted tokens the draft gives at least this probability")
+                   help="verify leading drafted tokens while the draft's joint probability "
+                   "that all are right is at least this (0: whole blocks)")
     return p.parse_args(argv)
 
 

@@ -1,0 +1,167 @@
+"""Choose `--min-confidence` for a pair on this machine, by simulation on held-aside prompts.
+
+Cutting unsure draft slots never changes the output, only what a round costs and how many
+tokens it yields, so greedy decoding can be replayed exactly for any cut:
+
+1. For each prompt (first turns of items 3-7 of every bundled set by default: never the first
+   two, which `benchmark --num-prompts 2` reports), decode the AR greedy answer.
+2. One teacher-forced target pass gives the taps of the whole sequence; at every position the
+   draft proposes a block from exactly the context a real round would have, and we record
+   each slot's probability and how many leading slots match the greedy answer.
+3. Time on this machine one AR step, a target pass of each width 1..B, and a draft pass.
+4. Replay: a round at position i keeps k slots (by the rule), accepts min(match, k), moves
+   on by that + 1, and costs draft + verify(k + 1). Simulated speedup = AR time / DFlash time.
+   tests/test_demo_pair.py checks the replayed rounds against a real run.
+
+Two rules: `joint` (the engine's: keep slots while the product of their probabilities stays
+>= P) and `slot` (each slot's own probability >= P, the engine's rule before).
+
+    python scripts/tune_min_confidence.py [--model M --draft D] [--items 3-7] [--block-size 5]
+        [--max-tokens 64] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import dflash_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx)
+import mlx.core as mx
+
+from dflash_mlx import prepare, registry, stream_generate
+from dflash_mlx.bench import DATASETS, load_prompts
+
+THRESHOLDS = (0.0, 0.03, 0.05, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
+
+
+def record(pair, ids: list[int], block: int, max_tokens: int) -> list[tuple[list[float], int]]:
+    """(slot probabilities, leading slots that match greedy) at every decode position."""
+    answer = [t for ev in stream_generate(pair, ids, block_size=1, max_tokens=max_tokens)
+              for t in ev.tokens]
+    seq = ids + answer
+    _, taps = pair.target(mx.array([seq]), pair.target.make_cache(), taps=True)
+    draft, rows = pair.draft, []
+    for pos in range(len(ids) - 1, len(seq) - 1):  # a round whose last committed token is seq[pos]
+        blk = mx.array([[seq[pos]] + [draft.config.mask_token_id] * (block - 1)])
+        hidden = draft(blk, taps[:, :pos], draft.make_cache())[:, 1:]
+        logits = draft.proposal_logits(hidden)[0].astype(mx.float32)
+        best = mx.argmax(logits, axis=-1)
+        conf = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1)).tolist()
+        ids_ = best if draft._borrowed.head_ids is None else draft._borrowed.head_ids[best]
+        match = 0
+        for k, t in enumerate(ids_.tolist()):
+            if pos + 1 + k >= len(seq) or t != seq[pos + 1 + k]:
+                break
+            match += 1
+        rows.append((conf, match))
+    return rows
+
+
+def costs(pair, seq: list[int], block: int, reps: int = 9) -> tuple[float, float, dict]:
+    """(AR step, draft pass, {width: verify pass}) in seconds, at the context of `seq`.
+
+    The passes are timed round-robin and each one's median is kept, so a burst of load on a
+    noisy machine lands on all of them alike.
+    """
+    tgt, draft = pair.target, pair.draft
+    cache = tgt.make_cache()
+    base = len(seq) - block
+    _, taps = tgt(mx.array([seq[:base]]), cache, taps=True)
+    mx.eval(taps)
+    dcache = draft.make_cache()
+    mx.eval(draft(mx.array([[seq[base - 3]]]), taps[:, : base - 3], dcache))  # context only
+    blk = mx.array([[seq[base]] + [draft.config.mask_token_id] * (block - 1)])
+
+    def target_pass(w: int, with_taps: bool):
+        logits, t = tgt(mx.array([seq[base: base + w]]), cache, taps=with_taps)
+        mx.eval(logits, *([] if t is None else [t]))
+        tgt.truncate(cache, base)
+
+    def draft_pass():  # a typical round: two new context rows, then a proposal
+        tokens, _ = draft.propose(blk, taps[:, base - 3: base - 1], dcache, min_confidence=1e-9)
+        mx.eval(tokens)
+        for c in dcache:
+            c.trim(2)
+
+    passes = {"ar": lambda: target_pass(1, False), "draft": draft_pass}
+    passes.update({w: (lambda w=w: target_pass(w, True)) for w in range(1, block + 1)})
+    times = {key: [] for key in passes}
+    for rep in range(reps + 1):
+        for key, fn in passes.items():
+            tic = time.perf_counter()
+            fn()
+            if rep:  # the first sweep warms up
+                times[key].append(time.perf_counter() - tic)
+    med = {key: statistics.median(v) for key, v in times.items()}
+    return med.pop("ar"), med.pop("draft"), med
+
+
+def keep_joint(conf: list[float], p: float) -> int:
+    k, joint = 0, 1.0
+    for c in conf:
+        joint *= c
+        if joint < p:
+            break
+        k += 1
+    return k
+
+
+def keep_slot(conf: list[float], p: float) -> int:
+    k = 0
+    while k < len(conf) and conf[k] >= p:
+        k += 1
+    return k
+
+
+def replay(rows, keep) -> list[tuple[int, int]]:
+    """(slots kept, slots accepted) per round of a greedy DFlash run that cuts with `keep`."""
+    i, rounds = 0, []
+    while i < len(rows):
+        conf, match = rows[i]
+        k = keep(conf)
+        rounds.append((k, min(match, k)))
+        i += min(match, k) + 1
+    return rounds
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model")
+    ap.add_argument("--draft")
+    ap.add_argument("--items", default="3-7", help="1-based item range of each bundled set")
+    ap.add_argument("--block-size", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--json", help="write the per-position records and the table here")
+    a = ap.parse_args()
+    lo, hi = (int(x) for x in a.items.split("-"))
+    pair, _ = prepare.open_pair(registry.resolve(a.model, a.draft, False), 4, "auto")
+    encode = prepare.encoder(pair, {})
+    records, last = {}, None
+    for name in DATASETS:
+        for i, turns in enumerate(load_prompts(name)[1][lo - 1: hi], start=lo):
+            last = encode([{"role": "user", "content": turns[0]}])
+            records[f"{name}#{i}"] = record(pair, last, a.block_size, a.max_tokens)
+    ar_s, draft_s, verify = costs(pair, last, a.block_size)
+    print(f"{len(records)} prompts, {sum(len(r) for r in records.values())} positions; "
+          f"AR step {ar_s * 1e3:.1f} ms, draft {draft_s * 1e3:.1f} ms, verify "
+          + " ".join(f"{w}:{s * 1e3:.1f}" for w, s in verify.items()) + " ms")
+    table = []
+    for rule, keep in (("joint", keep_joint), ("slot", keep_slot)):
+        for p in THRESHOLDS:
+            rounds = [r for rows in records.values() for r in replay(rows, lambda c: keep(c, p))]
+            t, r = sum(a + 1 for _, a in rounds), len(rounds)
+            s = sum(draft_s + verify[k + 1] for k, _ in rounds)
+            table.append({"rule": rule, "threshold": p, "tau": t / r, "speedup": t * ar_s / s})
+            print(f"{rule:5s} {p:<5} τ {t / r:.2f}  simulated speedup {t * ar_s / s:.3f}×")
+    best = max(table, key=lambda row: row["speedup"])
+    print(f"best: {best['rule']} {best['threshold']} ({best['speedup']:.3f}×)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"costs_s": {"ar": ar_s, "draft": draft_s, "verify": verify},
+                       "table": table, "records": records}, f)
+
+
+if __name__ == "__main__":
+    main()
