@@ -285,10 +285,7 @@ class DFlashDraftModel(nn.Module):
         hidden = self(block_ids, context, cache)[:, 1:]
         if min_confidence <= 0:
             return self.greedy_tokens(hidden)[0], None
-        logits = self.proposal_logits(hidden)[0].astype(mx.float32)
-        best = mx.argmax(logits, axis=-1)
-        confidence = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1))
-        ids = best if self._borrowed.head_ids is None else self._borrowed.head_ids[best]
+        ids, confidence = self.tokens_and_confidence(hidden[0])
         keep, joint = 0, 1.0
         for c in confidence.tolist():
             joint *= c
@@ -303,6 +300,14 @@ class DFlashDraftModel(nn.Module):
         if b.head_ids is None:
             return self.logits(hidden)
         return self._shape_logits(b.sub_head(hidden))
+
+    def tokens_and_confidence(self, hidden: mx.array) -> tuple[mx.array, mx.array]:
+        """Per-slot argmax ids and the proposal probability of each."""
+        logits = self.proposal_logits(hidden).astype(mx.float32)
+        best = mx.argmax(logits, axis=-1)
+        confidence = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1))
+        ids = best if self._borrowed.head_ids is None else self._borrowed.head_ids[best]
+        return ids, confidence
 
     def greedy_tokens(self, hidden: mx.array) -> mx.array:
         """Per-slot argmax ids, through the restricted head when one is set."""

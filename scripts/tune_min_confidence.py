@@ -45,13 +45,11 @@ def record(pair, ids: list[int], block: int, max_tokens: int) -> list[tuple[list
     draft, rows = pair.draft, []
     for pos in range(len(ids) - 1, len(seq) - 1):  # a round whose last committed token is seq[pos]
         blk = mx.array([[seq[pos]] + [draft.config.mask_token_id] * (block - 1)])
-        hidden = draft(blk, taps[:, :pos], draft.make_cache())[:, 1:]
-        logits = draft.proposal_logits(hidden)[0].astype(mx.float32)
-        best = mx.argmax(logits, axis=-1)
-        conf = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1)).tolist()
-        ids_ = best if draft._borrowed.head_ids is None else draft._borrowed.head_ids[best]
+        hidden = draft(blk, taps[:, :pos], draft.make_cache())[0, 1:]
+        proposed, conf = draft.tokens_and_confidence(hidden)
+        conf = conf.tolist()
         match = 0
-        for k, t in enumerate(ids_.tolist()):
+        for k, t in enumerate(proposed.tolist()):
             if pos + 1 + k >= len(seq) or t != seq[pos + 1 + k]:
                 break
             match += 1
