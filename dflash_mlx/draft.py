@@ -164,6 +164,17 @@ class ContextCache:
         return (self.keys, self.values) if self.keys is not None else ()
 
 
+def joint_keep(confidence: list[float], min_confidence: float) -> int:
+    """How many leading slots the cut keeps: while their probabilities' product reaches it."""
+    keep, joint = 0, 1.0
+    for c in confidence:
+        joint *= c
+        if joint < min_confidence:
+            break
+        keep += 1
+    return keep
+
+
 @dataclass
 class Borrowed:
     """The target's embedding and LM head, held outside the module tree.
@@ -286,13 +297,7 @@ class DFlashDraftModel(nn.Module):
         if min_confidence <= 0:
             return self.greedy_tokens(hidden)[0], None
         ids, confidence = self.tokens_and_confidence(hidden[0])
-        keep, joint = 0, 1.0
-        for c in confidence.tolist():
-            joint *= c
-            if joint < min_confidence:
-                break
-            keep += 1
-        return ids[:keep], None
+        return ids[: joint_keep(confidence.tolist(), min_confidence)], None
 
     def proposal_logits(self, hidden: mx.array) -> mx.array:
         """Logits over the ids the draft proposes from: the restricted head's rows when set."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import dflash_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx)
@@ -32,6 +33,8 @@ import mlx.core as mx
 
 from dflash_mlx import prepare, registry, stream_generate
 from dflash_mlx.bench import DATASETS, load_prompts
+from dflash_mlx.draft import joint_keep as keep_joint  # the engine's own rule
+from dflash_mlx.errors import DFlashError
 
 THRESHOLDS = (0.0, 0.03, 0.05, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
 
@@ -96,17 +99,8 @@ def costs(pair, seq: list[int], block: int, reps: int = 9) -> tuple[float, float
     return med.pop("ar"), med.pop("draft"), med
 
 
-def keep_joint(conf: list[float], p: float) -> int:
-    k, joint = 0, 1.0
-    for c in conf:
-        joint *= c
-        if joint < p:
-            break
-        k += 1
-    return k
-
-
 def keep_slot(conf: list[float], p: float) -> int:
+    """The per-slot rule the engine used before, for comparison."""
     k = 0
     while k < len(conf) and conf[k] >= p:
         k += 1
@@ -124,6 +118,11 @@ def replay(rows, keep) -> list[tuple[int, int]]:
     return rounds
 
 
+def _fail(message: str):
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model")
@@ -133,8 +132,19 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", help="write the per-position records and the table here")
     a = ap.parse_args()
-    lo, hi = (int(x) for x in a.items.split("-"))
-    pair, _ = prepare.open_pair(registry.resolve(a.model, a.draft, False), 4, "auto")
+    try:
+        lo, hi = (int(x) for x in a.items.split("-"))
+        if not 1 <= lo <= hi:
+            raise ValueError
+    except ValueError:
+        _fail(f"--items takes FIRST-LAST (1-based), got {a.items}")
+    if a.block_size < 2 or a.max_tokens < 1:
+        _fail("--block-size must be at least 2 and --max-tokens at least 1")
+    try:
+        pair, _ = prepare.open_pair(registry.resolve(a.model, a.draft, False), 4, "auto")
+        prepare.check_block_size(pair, a.block_size)
+    except DFlashError as e:
+        _fail(str(e))
     encode = prepare.encoder(pair, {})
     records, last = {}, None
     for name in DATASETS:
