@@ -124,9 +124,15 @@ class BlockSampler:
         for k, (tok, pred, taps) in enumerate(seqs):
             ctx[k, : len(tok)] = taps
             hi = len(tok) - B + 1  # labels pred[a .. a+B-2] must exist
+            # slot j's label counts only if the target's own greedy chain reaches it, i.e. every
+            # token between the anchor and it is what the target predicted: always true in greedy
+            # answers, often false in teacher-forced text and sampled answers
+            follows = tok[1:] == pred[:-1]
             for a in self.rng.integers(picks[k][2], hi + 1, n_anchors):
                 blocks.append([tok[a]] + [self.mask_id] * (B - 1))
-                labels.append(pred[a : a + B - 1])
+                lab = pred[a : a + B - 1].copy()
+                lab[1:][np.cumprod(follows[a : a + B - 2]) == 0] = -1
+                labels.append(lab)
                 seq_of.append(k)
                 anchors.append(a)
         return (mx.array(np.array(blocks, dtype=np.int32)), mx.array(ctx),
@@ -230,8 +236,8 @@ def train(draft: DFlashDraftModel, train_shards: list[FeatureShard],
     for step in range(start, cfg.steps):
         opt.learning_rate = lr_at(step, cfg)
         batch = sampler.batch(cfg.seqs_per_step, cfg.anchors_per_seq)
-        if rows is not None:
-            batch = (*batch[:4], rows[batch[4]])
+        if rows is not None:  # -1 (unreachable) stays -1
+            batch = (*batch[:4], mx.where(batch[4] >= 0, rows[mx.maximum(batch[4], 0)], -1))
         loss, grads = loss_and_grad(draft, *batch, weights)
         grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
         opt.update(draft, grads)

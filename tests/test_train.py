@@ -143,6 +143,32 @@ def test_anchors_come_from_answers_only():
     assert (0, 29) in seen and (2, 1) in seen  # the last prompt token is an anchor
 
 
+def test_labels_stop_where_the_text_leaves_the_targets_greedy_chain():
+    """Teacher-forced text: slot j is labelled only while the tokens between the anchor and it
+    are the target's own predictions (the chain greedy decoding would have produced)."""
+    import numpy as np
+
+    from dflash_mlx.train_data import FeatureShard
+
+    n = 60
+    tokens = np.arange(n, dtype=np.int32)
+    preds = tokens + 1  # the target predicts the next token of the text everywhere...
+    preds[[20, 33]] = 999  # ...but at 20 and 33: the text then says 21 and 34, not 999
+    shard = FeatureShard(tokens, preds.astype(np.int32), np.zeros((n, 4), np.float16),
+                         np.array([0, n]), None)
+    sampler = BlockSampler([shard], 6, 250, seed=0)
+    seen = set()
+    for _ in range(40):
+        _, _, _, anchors, labels = sampler.batch(1, 16)
+        for a, lab in zip(anchors.tolist(), labels.tolist()):
+            breaks = [p for p in (20, 33) if a <= p < a + 4]  # a break inside slots 1..4
+            valid = 5 if not breaks else breaks[0] - a + 1  # slots up to the break's own label
+            assert lab[:valid] == preds[a:a + valid].tolist(), (a, lab)
+            assert lab[valid:] == [-1] * (5 - valid), (a, lab)
+            seen.add(valid)
+    assert {1, 3, 5} <= seen  # anchors at, before and away from a break were drawn
+
+
 def test_restricted_loss_trains_the_head_used_at_inference(trained):
     """`head_vocab`: the loss goes through the rows the draft proposes from; labels outside
     them carry no loss, draft_vocab.json lands next to the checkpoint, τ still rises."""
