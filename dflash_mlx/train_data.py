@@ -192,11 +192,16 @@ def extract_features(target: Target, sequences: Iterable[list[int]], out_dir: Pa
 
 
 def load_shards(folder: Path) -> list[FeatureShard]:
-    shards = []
+    """Every shard_*.npz in order. Links to one file (a mix that repeats a source to weight it)
+    share one copy in memory: taps are most of a machine's RAM."""
+    shards, loaded = [], {}
     for f in sorted(Path(folder).glob("shard_*.npz")):
-        z = np.load(f)
-        answers = z["answers"] if "answers" in z.files else None
-        shards.append(FeatureShard(z["tokens"], z["preds"], z["taps"], z["starts"], answers))
+        real = f.resolve()
+        if real not in loaded:
+            z = np.load(real)
+            answers = z["answers"] if "answers" in z.files else None
+            loaded[real] = FeatureShard(z["tokens"], z["preds"], z["taps"], z["starts"], answers)
+        shards.append(loaded[real])
     return shards
 
 

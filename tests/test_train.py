@@ -169,6 +169,30 @@ def test_labels_stop_where_the_text_leaves_the_targets_greedy_chain():
     assert {1, 3, 5} <= seen  # anchors at, before and away from a break were drawn
 
 
+def test_a_shard_linked_twice_is_loaded_once(tmp_path):
+    """A mix weights a source by linking its shards more than once; the taps are shared, not
+    copied (they are most of the memory training needs)."""
+    import numpy as np
+
+    from dflash_mlx.train_data import FeatureShard
+
+    src = tmp_path / "src"
+    src.mkdir()
+    z = FeatureShard(np.arange(20, dtype=np.int32), np.arange(1, 21, dtype=np.int32),
+                     np.ones((20, 4), np.float16), np.array([0, 20]), np.array([3]))
+    np.savez(src / "shard_0000.npz", tokens=z.tokens, preds=z.preds, taps=z.taps,
+             starts=z.starts, answers=z.answers)
+    np.savez(src / "shard_0001.npz", tokens=z.tokens + 1, preds=z.preds, taps=z.taps,
+             starts=z.starts, answers=z.answers)
+    mix = tmp_path / "mix"
+    mix.mkdir()
+    for i, name in enumerate(["shard_0000.npz", "shard_0001.npz", "shard_0000.npz"]):
+        (mix / f"shard_{i:04d}.npz").symlink_to(src / name)
+    shards = load_shards(mix)
+    assert len(shards) == 3 and shards[0] is shards[2] and shards[1] is not shards[0]
+    assert shards[1].tokens[0] == 1 and shards[2].answer_start(0) == 3
+
+
 def test_restricted_loss_trains_the_head_used_at_inference(trained):
     """`head_vocab`: the loss goes through the rows the draft proposes from; labels outside
     them carry no loss, draft_vocab.json lands next to the checkpoint, τ still rises."""
