@@ -167,3 +167,17 @@ def load_demo_target(fetch: bool = True, progress: Progress = None):
     from .gguf import load_gguf
 
     return load_gguf(demo_target_path(fetch=fetch, progress=progress))
+
+
+def load_demo_feature_target(num_taps: int = 5):
+    """The demo target as the feature builders run it: float32 (the fast policy on a CPU), with
+    the reference's `num_taps` tapped layers. Returns `(Target, tokenizer)`."""
+    import mlx.core as mx
+
+    from .config import build_target_layer_ids
+    from .load import convert_weights
+    from .target import Target
+
+    model, tok = load_demo_target()
+    convert_weights(model, mx.float32)
+    return Target(model, build_target_layer_ids(len(model.layers), num_taps)), tok

@@ -11,13 +11,8 @@ import sys
 import time
 
 import dflash_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx)
-import mlx.core as mx
 
-from dflash_mlx.config import build_target_layer_ids
-from dflash_mlx.demo import demo_target_path
-from dflash_mlx.gguf import load_gguf
-from dflash_mlx.load import convert_weights
-from dflash_mlx.target import Target
+from dflash_mlx.demo import load_demo_feature_target
 from dflash_mlx.train_data import distill_prompts
 from dflash_mlx.train_prompts import chat_prompts
 
@@ -40,9 +35,7 @@ def main():
     except ValueError:
         print(f"error: --exclude takes SEED:COUNT, got {' '.join(args.exclude)}", file=sys.stderr)
         raise SystemExit(2) from None
-    model, tok = load_gguf(demo_target_path())
-    convert_weights(model, mx.float32)
-    target = Target(model, build_target_layer_ids(len(model.layers), 5))
+    target, tok = load_demo_feature_target()
     prompts = chat_prompts(args.prompts, args.seed)
     # Greedy answers to a repeated prompt are identical: re-answering one only wastes target time.
     seen = set()

@@ -25,13 +25,8 @@ import time
 from pathlib import Path
 
 import dflash_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx)
-import mlx.core as mx
 
-from dflash_mlx.config import build_target_layer_ids
-from dflash_mlx.demo import demo_target_path
-from dflash_mlx.gguf import load_gguf
-from dflash_mlx.load import convert_weights
-from dflash_mlx.target import Target
+from dflash_mlx.demo import load_demo_feature_target
 from dflash_mlx.train_data import extract_features, text_sequences
 
 CAPS = {"topics": 76_800, "docs": 128_000, "code": 204_800}  # what the stage-7 draft used
@@ -79,9 +74,7 @@ def main():
                   f"got {spec}", file=sys.stderr)
             raise SystemExit(2)
         caps[name] = int(n)
-    model, tok = load_gguf(demo_target_path())
-    convert_weights(model, mx.float32)
-    target = Target(model, build_target_layer_ids(len(model.layers), 5))
+    target, tok = load_demo_feature_target()
     for name, text in (("topics", topics), ("docs", docs), ("code", code)):
         if not caps[name]:
             continue
