@@ -126,6 +126,9 @@ def train_draft(
     restricted_loss: Annotated[bool, typer.Option(
         "--restricted-loss/--full-loss",
         help="Train through the restricted head the draft proposes from (faster), or the full one.")] = True,
+    soft_labels: Annotated[float, typer.Option(
+        help="Weight (0-1) of a loss on the target's whole next-token distribution, rebuilt "
+             "from the deepest tap; the rest stays on its argmax.")] = 0.0,
     weights: WeightsOpt = "auto",
 ):
     """Train a DFlash draft for a target: self-distilled features, then block training."""
@@ -140,7 +143,7 @@ def train_draft(
                   layers=layers, block_size=block_size, steps=steps, lr=lr, heldout=heldout,
                   seqs=seqs, anchors=anchors,
                   resume=resume, seed=seed, weights=weights, vocab=vocab,
-                  restricted_loss=restricted_loss, init=init)
+                  restricted_loss=restricted_loss, init=init, soft_labels=soft_labels)
 
 
 @app.command("fetch-demo")

@@ -46,6 +46,9 @@ class TrainConfig:
     # >0: train through the restricted proposal head (the `head_vocab` ids most often
     # predicted in the training data), the head the draft uses at inference
     head_vocab: int = 0
+    # >0: weight of the soft-label term, cross-entropy against the target's whole distribution
+    # rebuilt from the deepest tap (train_soft.py); the rest stays on the argmax labels
+    soft_labels: float = 0.0
 
 
 @dataclass
@@ -58,6 +61,7 @@ class TrainEvent:
     heldout_tau: float | None = None
     slot_accuracy: list[float] | None = None
     checkpoint: str | None = None
+    soft_agreement: float | None = None  # rebuilt logits' argmax vs stored predictions
 
 
 def _heads(x: mx.array, n: int, hd: int) -> mx.array:
@@ -145,11 +149,19 @@ def position_weights(block_size: int, decay: float) -> mx.array:
     return mx.exp(-mx.arange(block_size - 1, dtype=mx.float32) / decay)
 
 
-def block_loss(draft, blocks, ctx, seq_of, anchors, labels, weights) -> mx.array:
-    """Position-weighted CE; labels < 0 (outside a restricted head) carry no loss."""
+def block_loss(draft, blocks, ctx, seq_of, anchors, labels, weights,
+               soft: mx.array | None = None, alpha: float = 0.0) -> mx.array:
+    """Position-weighted CE; labels < 0 (outside a restricted head) carry no loss.
+
+    With `soft` (the target's distribution at each label), the loss is (1-alpha) × CE on the
+    argmax + alpha × CE on the distribution.
+    """
     h = packed_hidden(draft, blocks, ctx, seq_of, anchors)
     logits = draft.proposal_logits(h[:, 1:]).astype(mx.float32)
     ce = nn.losses.cross_entropy(logits, mx.maximum(labels, 0))  # (N, B-1)
+    if soft is not None:
+        soft_ce = -(soft * (logits - mx.logsumexp(logits, axis=-1, keepdims=True))).sum(-1)
+        ce = (1 - alpha) * ce + alpha * soft_ce
     return (ce * weights * (labels >= 0)).sum() / (weights.sum() * ce.shape[0])
 
 
@@ -208,10 +220,21 @@ def _save(draft, opt, step: int, out: Path, cfg: TrainConfig, log: list[dict]) -
     return out
 
 
+def _in_rows(batch: tuple, rows: mx.array | None) -> tuple:
+    """Labels as restricted-head rows; -1 (unreachable, or outside the head) stays -1."""
+    if rows is None:
+        return batch
+    labels = batch[4]
+    return (*batch[:4], mx.where(labels >= 0, rows[mx.maximum(labels, 0)], -1))
+
+
 def train(draft: DFlashDraftModel, train_shards: list[FeatureShard],
           heldout_shards: list[FeatureShard], out_dir: Path, cfg: TrainConfig,
-          resume: bool = False) -> Iterator[TrainEvent]:
-    """Train `draft` (already bound to its target). Yields an event every eval interval."""
+          resume: bool = False, tail=None) -> Iterator[TrainEvent]:
+    """Train `draft` (already bound to its target). Yields an event every eval interval.
+
+    `tail` (a `train_soft.TargetTail`) is needed when `cfg.soft_labels` > 0.
+    """
     dc = draft.config
     B = dc.block_size
     sampler = BlockSampler(train_shards, B, dc.mask_token_id, cfg.seed)
@@ -223,6 +246,18 @@ def train(draft: DFlashDraftModel, train_shards: list[FeatureShard],
     rows = None
     if cfg.head_vocab:
         rows = restrict_for_training(draft, train_shards, cfg.head_vocab, out_dir)
+    agreement = None
+    if cfg.soft_labels > 0:
+        from .train_soft import soft_targets, tail_agreement
+
+        if tail is None:
+            raise ValueError("soft labels need the target's tail (train_soft.TargetTail)")
+        agreement = tail_agreement(tail, draft, [_in_rows(b, rows) for b in eval_batches])
+        if agreement < 0.9:
+            raise TrainingDataError(
+                f"the target's layers above its deepest tap reproduce only {agreement:.0%} of "
+                "its stored predictions, so soft labels would teach another model; train "
+                "without them")
     opt = optim.AdamW(learning_rate=cfg.lr, weight_decay=cfg.weight_decay)
     start, log = 0, []
     if resume and (out_dir / "trainer" / "state.json").exists():
@@ -235,10 +270,9 @@ def train(draft: DFlashDraftModel, train_shards: list[FeatureShard],
     tic, labels_seen, losses = time.perf_counter(), 0, []
     for step in range(start, cfg.steps):
         opt.learning_rate = lr_at(step, cfg)
-        batch = sampler.batch(cfg.seqs_per_step, cfg.anchors_per_seq)
-        if rows is not None:  # -1 (unreachable) stays -1
-            batch = (*batch[:4], mx.where(batch[4] >= 0, rows[mx.maximum(batch[4], 0)], -1))
-        loss, grads = loss_and_grad(draft, *batch, weights)
+        batch = _in_rows(sampler.batch(cfg.seqs_per_step, cfg.anchors_per_seq), rows)
+        soft = soft_targets(tail, draft, batch) if agreement is not None else None
+        loss, grads = loss_and_grad(draft, *batch, weights, soft, cfg.soft_labels)
         grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
         opt.update(draft, grads)
         mx.eval(draft.parameters(), opt.state, loss)
@@ -249,7 +283,8 @@ def train(draft: DFlashDraftModel, train_shards: list[FeatureShard],
             elapsed = time.perf_counter() - tic
             tau, acc = heldout_tau(draft, eval_batches, cfg.eval_block_size)
             ev = TrainEvent(done, float(np.mean(losses)), opt.learning_rate.item(),
-                            labels_seen / elapsed, elapsed, tau, acc)
+                            labels_seen / elapsed, elapsed, tau, acc,
+                            soft_agreement=agreement)
             losses, labels_seen, tic = [], 0, time.perf_counter()
             log.append({k: v for k, v in asdict(ev).items() if k != "checkpoint"})
             if done % cfg.checkpoint_every == 0 or done == cfg.steps:

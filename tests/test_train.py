@@ -287,3 +287,72 @@ def test_train_draft_cli_end_to_end(tmp_path):
                               sorted(tree_flatten(tuned.parameters()))):
         assert np.allclose(np.array(a, dtype=np.float32), np.array(b, dtype=np.float32),
                            atol=1e-4), k
+
+
+def test_target_tail_rebuilds_the_targets_logits(tmp_path):
+    """The layers above the deepest tap, the final norm and the head turn the stored taps
+    back into the target's own logits: what soft labels are made of."""
+    from dflash_mlx.train_soft import TargetTail
+
+    pair = load(tiny.make_target(tmp_path / "target"), None, weights="float32")
+    taps = new_draft_config(pair.target, num_layers=1, mask_token_id=0).target_layer_ids
+    assert max(taps) < pair.target.num_layers - 1  # there is a tail to run
+    pair.target.set_taps(taps)
+    ids = mx.array([[random.Random(3).randrange(256) for _ in range(40)]])
+    logits, tapped = pair.target(ids, pair.target.make_cache())
+    tail = TargetTail(pair.target, taps)
+    rebuilt = pair.target.lm_head(tail.hidden_states(tapped))
+    assert mx.allclose(rebuilt, logits, atol=1e-4).item()
+    # a zero-padded second row (how training batches sequences) leaves the first one alone
+    two = mx.concatenate([tapped, mx.pad(tapped[:, :25], [(0, 0), (0, 15), (0, 0)])])
+    rebuilt2 = pair.target.lm_head(tail.hidden_states(two))
+    assert mx.allclose(rebuilt2[1, :25], logits[0, :25], atol=1e-4).item()
+
+
+def test_soft_labels_train_the_draft(trained):
+    """`soft_labels`: half the loss on the target's whole distribution. The rebuilt logits
+    agree with the stored predictions, loss falls, τ rises; a one-hot distribution gives
+    exactly the argmax loss."""
+    from dflash_mlx.train import block_loss, position_weights
+    from dflash_mlx.train_soft import TargetTail
+
+    t = trained
+    mx.random.seed(2)
+    draft = DFlashDraftModel(t["cfg"]).bind(t["pair"].target)
+    tail = TargetTail(t["pair"].target, t["cfg"].target_layer_ids)
+    tc = TrainConfig(steps=200, lr=1e-3, warmup=20, eval_every=100, checkpoint_every=100,
+                     anchors_per_seq=16, soft_labels=0.5)
+    events = list(train(draft, t["shards"], t["held"], t["root"] / "soft", tc, tail=tail))
+    assert events[0].soft_agreement > 0.99
+    assert events[-1].loss < 0.7 * events[0].loss
+    tau, _ = heldout_tau(draft, t["batches"], 5)
+    assert tau > t["tau0"] + 0.3, (t["tau0"], tau)
+    blocks, ctx, seq_of, anchors, labels = t["batches"][0]
+    w = position_weights(8, 4.0)
+    hard = block_loss(draft, blocks, ctx, seq_of, anchors, labels, w)
+    onehot = (mx.arange(t["cfg"].vocab_size)[None, None] == labels[..., None]).astype(mx.float32)
+    soft = block_loss(draft, blocks, ctx, seq_of, anchors, labels, w, onehot, 1.0)
+    assert abs(hard.item() - soft.item()) < 1e-4 * hard.item()
+
+
+def test_soft_labels_refuse_a_tail_that_is_not_the_target(trained):
+    """If the rebuilt logits do not give back the stored predictions, soft labels would teach
+    another model: training stops with a clear error instead."""
+    from dflash_mlx.errors import TrainingDataError
+    from dflash_mlx.train_soft import TargetTail
+
+    t = trained
+    draft = DFlashDraftModel(t["cfg"]).bind(t["pair"].target)
+    tail = TargetTail(t["pair"].target, t["cfg"].target_layer_ids)
+    norm = tail.norm
+    tail.norm = lambda h: -norm(h)  # argmax becomes argmin
+    tc = TrainConfig(steps=10, eval_every=10, anchors_per_seq=4, soft_labels=0.5)
+    with pytest.raises(TrainingDataError, match="reproduce only"):
+        next(train(draft, t["shards"], t["held"], t["root"] / "bad", tc, tail=tail))
+    # --soft-labels: the agreement check is reported; a weight outside 0..1 is a one-line error
+    res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "s"), "--soft-labels", "0.5",
+                                          "--features", str(tmp_path / "d" / "features")])
+    assert res.exit_code == 0, res.output
+    assert "soft labels: the rebuilt logits' argmax equals the stored prediction" in res.output
+    res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "t"), "--soft-labels", "1.5"])
+    assert res.exit_code == 2 and "--soft-labels 1.5" in res.output and "Traceback" not in res.output
