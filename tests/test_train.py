@@ -287,6 +287,13 @@ def test_train_draft_cli_end_to_end(tmp_path):
                               sorted(tree_flatten(tuned.parameters()))):
         assert np.allclose(np.array(a, dtype=np.float32), np.array(b, dtype=np.float32),
                            atol=1e-4), k
+    # --soft-labels: the agreement check is reported; a weight outside 0..1 is a one-line error
+    res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "s"), "--soft-labels", "0.5",
+                                          "--features", str(tmp_path / "d" / "features")])
+    assert res.exit_code == 0, res.output
+    assert "soft labels: the rebuilt logits' argmax equals the stored prediction" in res.output
+    res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "t"), "--soft-labels", "1.5"])
+    assert res.exit_code == 2 and "--soft-labels 1.5" in res.output and "Traceback" not in res.output
 
 
 def test_target_tail_rebuilds_the_targets_logits(tmp_path):
@@ -349,10 +356,3 @@ def test_soft_labels_refuse_a_tail_that_is_not_the_target(trained):
     tc = TrainConfig(steps=10, eval_every=10, anchors_per_seq=4, soft_labels=0.5)
     with pytest.raises(TrainingDataError, match="reproduce only"):
         next(train(draft, t["shards"], t["held"], t["root"] / "bad", tc, tail=tail))
-    # --soft-labels: the agreement check is reported; a weight outside 0..1 is a one-line error
-    res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "s"), "--soft-labels", "0.5",
-                                          "--features", str(tmp_path / "d" / "features")])
-    assert res.exit_code == 0, res.output
-    assert "soft labels: the rebuilt logits' argmax equals the stored prediction" in res.output
-    res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "t"), "--soft-labels", "1.5"])
-    assert res.exit_code == 2 and "--soft-labels 1.5" in res.output and "Traceback" not in res.output
