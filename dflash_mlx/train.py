@@ -61,7 +61,8 @@ class TrainEvent:
     heldout_tau: float | None = None
     slot_accuracy: list[float] | None = None
     checkpoint: str | None = None
-    soft_agreement: float | None = None  # rebuilt logits' argmax vs stored predictions
+    # rebuilt logits' argmax vs stored predictions: measured once, on the first event only
+    soft_agreement: float | None = None
 
 
 def _heads(x: mx.array, n: int, hd: int) -> mx.array:
@@ -271,7 +272,7 @@ def train(draft: DFlashDraftModel, train_shards: list[FeatureShard],
     for step in range(start, cfg.steps):
         opt.learning_rate = lr_at(step, cfg)
         batch = _in_rows(sampler.batch(cfg.seqs_per_step, cfg.anchors_per_seq), rows)
-        soft = soft_targets(tail, draft, batch) if agreement is not None else None
+        soft = soft_targets(tail, draft, batch) if cfg.soft_labels > 0 else None
         loss, grads = loss_and_grad(draft, *batch, weights, soft, cfg.soft_labels)
         grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
         opt.update(draft, grads)
@@ -285,6 +286,7 @@ def train(draft: DFlashDraftModel, train_shards: list[FeatureShard],
             ev = TrainEvent(done, float(np.mean(losses)), opt.learning_rate.item(),
                             labels_seen / elapsed, elapsed, tau, acc,
                             soft_agreement=agreement)
+            agreement = None
             losses, labels_seen, tic = [], 0, time.perf_counter()
             log.append({k: v for k, v in asdict(ev).items() if k != "checkpoint"})
             if done % cfg.checkpoint_every == 0 or done == cfg.steps:

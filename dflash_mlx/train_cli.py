@@ -120,10 +120,8 @@ def run(model: str, out: Path, *, features: Path | None, prompts: int, max_token
                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                   console=console) as bar:
         task = bar.add_task("train", total=steps, info="")
-        said = False
         for ev in train(draft, shards, held, out, tc, resume=resume, tail=tail):
-            if ev.soft_agreement is not None and not said:
-                said = True
+            if ev.soft_agreement is not None:
                 print(f"soft labels: the rebuilt logits' argmax equals the stored prediction at "
                       f"{ev.soft_agreement:.2%} of held-out labels", file=sys.stderr, flush=True)
             info = (f"loss {ev.loss:.3f}  {ev.tokens_per_s:.0f} labels/s  "

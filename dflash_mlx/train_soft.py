@@ -34,19 +34,18 @@ class TargetTail:
             h = layer(h, "causal")  # padding sits at the end, so causal masking suffices
         return self.norm(h)
 
-    def label_logits(self, draft, ctx, seq_of, anchors, n_slots: int) -> mx.array:
-        """Target logits (N, n_slots, V') behind the labels of each block's slots 1..n_slots,
-        over the rows the draft proposes from (the restricted head when one is set)."""
+    def label_logits(self, draft, batch: tuple) -> mx.array:
+        """Target logits (N, B-1, V') behind every label of a `BlockSampler` batch, over the
+        rows the draft proposes from (the restricted head when one is set)."""
+        _, ctx, seq_of, anchors, labels = batch
         h = self.hidden_states(ctx)
-        pos = anchors[:, None] + mx.arange(n_slots)[None, :]
+        pos = anchors[:, None] + mx.arange(labels.shape[1])[None, :]
         return draft.proposal_logits(h[seq_of[:, None], pos]).astype(mx.float32)
 
 
-def soft_targets(tail: TargetTail, draft, batch, temperature: float = 1.0) -> mx.array:
+def soft_targets(tail: TargetTail, draft, batch: tuple) -> mx.array:
     """The target's distribution over the draft's proposal rows at every label of `batch`."""
-    blocks, ctx, seq_of, anchors, _ = batch
-    logits = tail.label_logits(draft, ctx, seq_of, anchors, blocks.shape[1] - 1)
-    return mx.stop_gradient(mx.softmax(logits / temperature, axis=-1))
+    return mx.stop_gradient(mx.softmax(tail.label_logits(draft, batch), axis=-1))
 
 
 def tail_agreement(tail: TargetTail, draft, batches: list) -> float:
@@ -56,9 +55,10 @@ def tail_agreement(tail: TargetTail, draft, batches: list) -> float:
     1; far under it means the tail does not reproduce the target (e.g. sliding-window layers).
     """
     same = total = 0
-    for blocks, ctx, seq_of, anchors, labels in batches:
-        best = mx.argmax(tail.label_logits(draft, ctx, seq_of, anchors, labels.shape[1]), axis=-1)
-        ok = np.array(labels) >= 0
-        same += int((np.array(best) == np.array(labels))[ok].sum())
+    for batch in batches:
+        best = np.array(mx.argmax(tail.label_logits(draft, batch), axis=-1))
+        labels = np.array(batch[4])
+        ok = labels >= 0
+        same += int((best == labels)[ok].sum())
         total += int(ok.sum())
     return same / max(1, total)
