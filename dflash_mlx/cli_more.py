@@ -113,6 +113,9 @@ def train_draft(
     layers: Annotated[int, typer.Option(help="Draft decoder layers.")] = 2,
     block_size: Annotated[int, typer.Option(help="Trained block size (inference may use ≤).")] = 8,
     steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 4000,
+    minutes: Annotated[float, typer.Option(
+        help="Train for this long at most: the step count and cosine schedule are cut to fit, "
+             "timed on the first steps (0: no limit).")] = 0.0,
     lr: Annotated[float, typer.Option(help="Peak AdamW learning rate.")] = 6e-4,
     seqs: Annotated[int, typer.Option(help="Sequences per optimizer step.")] = 2,
     anchors: Annotated[int, typer.Option(help="Blocks per sequence per step.")] = 24,
@@ -141,7 +144,7 @@ def train_draft(
     train_cli.run(model, out, features=features, prompts=prompts, max_tokens=max_tokens,
                   batch=batch, sampled_fraction=sampled_fraction, texts=text or [],
                   layers=layers, block_size=block_size, steps=steps, lr=lr, heldout=heldout,
-                  seqs=seqs, anchors=anchors,
+                  seqs=seqs, anchors=anchors, minutes=minutes,
                   resume=resume, seed=seed, weights=weights, vocab=vocab,
                   restricted_loss=restricted_loss, init=init, soft_labels=soft_labels)
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import math
+import queue
+import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -49,6 +51,9 @@ class TrainConfig:
     # >0: weight of the soft-label term, cross-entropy against the target's whole distribution
     # rebuilt from the deepest tap (train_soft.py); the rest stays on the argmax labels
     soft_labels: float = 0.0
+    # >0: end training after this many minutes: the step count (and so the cosine schedule)
+    # is cut to what fits, measured on the first steps
+    minutes: float = 0.0
 
 
 @dataclass
@@ -63,6 +68,7 @@ class TrainEvent:
     checkpoint: str | None = None
     # rebuilt logits' argmax vs stored predictions: measured once, on the first event only
     soft_agreement: float | None = None
+    total_steps: int | None = None  # the schedule's length (`minutes` may have cut it)
 
 
 def _heads(x: mx.array, n: int, hd: int) -> mx.array:
@@ -119,6 +125,10 @@ class BlockSampler:
         self.rng = np.random.default_rng(seed)
 
     def batch(self, n_seqs: int, n_anchors: int):
+        return tuple(mx.array(a) for a in self.sample(n_seqs, n_anchors))
+
+    def sample(self, n_seqs: int, n_anchors: int) -> tuple[np.ndarray, ...]:
+        """`batch` as numpy arrays (no mlx: safe to build on another thread)."""
         picks = [self.items[j] for j in self.rng.integers(0, len(self.items), n_seqs)]
         seqs = [s.sequence(i) for s, i, _ in picks]
         L = max(len(t) for t, _, _ in seqs)
@@ -140,10 +150,33 @@ class BlockSampler:
                 labels.append(lab)
                 seq_of.append(k)
                 anchors.append(a)
-        return (mx.array(np.array(blocks, dtype=np.int32)), mx.array(ctx),
-                mx.array(np.array(seq_of, dtype=np.int32)),
-                mx.array(np.array(anchors, dtype=np.int32)),
-                mx.array(np.array(labels, dtype=np.int32)))
+        return (np.array(blocks, dtype=np.int32), ctx, np.array(seq_of, dtype=np.int32),
+                np.array(anchors, dtype=np.int32), np.array(labels, dtype=np.int32))
+
+    def prefetch(self, n_seqs: int, n_anchors: int, depth: int = 3) -> Iterator[tuple]:
+        """Endless `batch`es, assembled on a thread while the device runs the previous step
+        (on a GPU the numpy gathering would otherwise be a third of each step)."""
+        q: queue.Queue = queue.Queue(maxsize=depth)
+        stop = threading.Event()
+
+        def fill():
+            while not stop.is_set():
+                item = self.sample(n_seqs, n_anchors)
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        pass
+
+        worker = threading.Thread(target=fill, daemon=True)
+        worker.start()
+        try:
+            while True:
+                yield tuple(mx.array(a) for a in q.get())
+        finally:
+            stop.set()
+            worker.join()
 
 
 def position_weights(block_size: int, decay: float) -> mx.array:
@@ -268,30 +301,61 @@ def train(draft: DFlashDraftModel, train_shards: list[FeatureShard],
         opt.init(draft.trainable_parameters())
         opt.state = tree_unflatten(list(mx.load(str(out_dir / "trainer" / "optimizer.safetensors")).items()))
     loss_and_grad = nn.value_and_grad(draft, block_loss)
-    tic, labels_seen, losses = time.perf_counter(), 0, []
-    for step in range(start, cfg.steps):
-        opt.learning_rate = lr_at(step, cfg)
-        batch = _in_rows(sampler.batch(cfg.seqs_per_step, cfg.anchors_per_seq), rows)
-        soft = soft_targets(tail, draft, batch) if cfg.soft_labels > 0 else None
-        loss, grads = loss_and_grad(draft, *batch, weights, soft, cfg.soft_labels)
-        grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
-        opt.update(draft, grads)
-        mx.eval(draft.parameters(), opt.state, loss)
-        losses.append(loss.item())
-        labels_seen += batch[0].shape[0] * (B - 1)
-        done = step + 1
-        if done % cfg.eval_every == 0 or done == cfg.steps:
-            elapsed = time.perf_counter() - tic
-            tau, acc = heldout_tau(draft, eval_batches, cfg.eval_block_size)
-            ev = TrainEvent(done, float(np.mean(losses)), opt.learning_rate.item(),
-                            labels_seen / elapsed, elapsed, tau, acc,
-                            soft_agreement=agreement)
-            agreement = None
-            losses, labels_seen, tic = [], 0, time.perf_counter()
-            log.append({k: v for k, v in asdict(ev).items() if k != "checkpoint"})
-            if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-                ev.checkpoint = str(_save(draft, opt, done, out_dir, cfg, log))
-            yield ev
+    cfg = replace(cfg)  # `minutes` may shorten the schedule; the caller's config stays as given
+    limit = cfg.steps
+    began = tic = time.perf_counter()
+    labels_seen, losses, timed = 0, [], None
+    batches = sampler.prefetch(cfg.seqs_per_step, cfg.anchors_per_seq)
+    step = start
+    try:
+        while step < cfg.steps:
+            if cfg.minutes > 0:
+                timed = _fit_schedule(cfg, limit, step - start, step, began, timed)
+            opt.learning_rate = lr_at(step, cfg)
+            batch = _in_rows(next(batches), rows)
+            soft = soft_targets(tail, draft, batch) if cfg.soft_labels > 0 else None
+            loss, grads = loss_and_grad(draft, *batch, weights, soft, cfg.soft_labels)
+            grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
+            opt.update(draft, grads)
+            mx.eval(draft.parameters(), opt.state, loss)
+            losses.append(loss.item())
+            labels_seen += batch[0].shape[0] * (B - 1)
+            step = done = step + 1
+            if done % cfg.eval_every == 0 or done == cfg.steps:
+                elapsed = time.perf_counter() - tic
+                tau, acc = heldout_tau(draft, eval_batches, cfg.eval_block_size)
+                ev = TrainEvent(done, float(np.mean(losses)), opt.learning_rate.item(),
+                                labels_seen / elapsed, elapsed, tau, acc,
+                                soft_agreement=agreement, total_steps=cfg.steps)
+                agreement = None
+                losses, labels_seen, tic = [], 0, time.perf_counter()
+                log.append({k: v for k, v in asdict(ev).items() if k != "checkpoint"})
+                if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+                    ev.checkpoint = str(_save(draft, opt, done, out_dir, cfg, log))
+                yield ev
+    finally:  # stops the prefetch thread, also when the caller stops early
+        batches.close()
+
+
+# steps skipped before timing (the first compile kernels), then steps timed
+_WARM, _TIMED = 3, 10
+
+
+def _fit_schedule(cfg: TrainConfig, limit: int, ran: int, step: int, began: float, timed):
+    """Set `cfg.steps` (≤ `limit`) to what fits in `cfg.minutes`: first once the step time is
+    known, then again at each evaluation, on the mean time per step so far (evaluations
+    included)."""
+    now = time.perf_counter()
+    if ran == _WARM:
+        return now
+    if timed is not None and ran >= _WARM + _TIMED and (ran == _WARM + _TIMED
+                                                         or step % cfg.eval_every == 0):
+        per_step = (now - timed) / (ran - _WARM) * 1.02
+        left = cfg.minutes * 60 - (now - began)
+        cfg.steps = max(step + 1, min(limit, step + int(left / per_step)))
+    if now - began > cfg.minutes * 60:  # a slower stretch than measured: stop here
+        cfg.steps = step + 1
+    return timed
 
 
 def pick_mask_token(tokenizer) -> int:

@@ -66,7 +66,8 @@ def run(model: str, out: Path, *, features: Path | None, prompts: int, max_token
         batch: int, sampled_fraction: float, texts: list[Path], layers: int, block_size: int,
         steps: int, lr: float, heldout: int, resume: bool, seed: int, weights: str,
         vocab: int = 8192, restricted_loss: bool = True, seqs: int = 2,
-        anchors: int = 24, init: Path | None = None, soft_labels: float = 0.0) -> None:
+        anchors: int = 24, init: Path | None = None, soft_labels: float = 0.0,
+        minutes: float = 0.0) -> None:
     import mlx.core as mx
 
     from .draft import DFlashDraftModel
@@ -77,6 +78,8 @@ def run(model: str, out: Path, *, features: Path | None, prompts: int, max_token
     if block_size < 2 or min(layers, steps, seqs, anchors) < 1:
         raise InvalidArgumentError(
             "--block-size must be ≥ 2; --layers, --steps, --seqs and --anchors ≥ 1")
+    if minutes < 0:
+        raise InvalidArgumentError(f"--minutes {minutes}: takes a duration ≥ 0 (0: no limit)")
     if not 0 <= soft_labels <= 1:
         raise InvalidArgumentError(f"--soft-labels {soft_labels}: takes a weight from 0 to 1")
     for t in texts:
@@ -110,7 +113,8 @@ def run(model: str, out: Path, *, features: Path | None, prompts: int, max_token
     mx.random.seed(seed)
     draft = (start if init is not None else DFlashDraftModel(cfg)).bind(pair.target)
     tc = TrainConfig(steps=steps, lr=lr, seed=seed, seqs_per_step=seqs, anchors_per_seq=anchors,
-                     head_vocab=vocab if vocab and restricted_loss else 0, soft_labels=soft_labels)
+                     head_vocab=vocab if vocab and restricted_loss else 0, soft_labels=soft_labels,
+                     minutes=minutes)
     tail = None
     if soft_labels > 0:
         from .train_soft import TargetTail
@@ -126,7 +130,7 @@ def run(model: str, out: Path, *, features: Path | None, prompts: int, max_token
                       f"{ev.soft_agreement:.2%} of held-out labels", file=sys.stderr, flush=True)
             info = (f"loss {ev.loss:.3f}  {ev.tokens_per_s:.0f} labels/s  "
                     f"held-out τ@{tc.eval_block_size} {ev.heldout_tau:.2f}")
-            bar.update(task, completed=ev.step, info=info)
+            bar.update(task, completed=ev.step, total=ev.total_steps, info=info)
             # a plain line per evaluation too, so logs keep the τ curve
             print(f"step {ev.step} loss {ev.loss:.4f} lr {ev.lr:.2e} labels/s "
                   f"{ev.tokens_per_s:.0f} heldout_tau {ev.heldout_tau:.3f} slot_acc "

@@ -294,6 +294,8 @@ def test_train_draft_cli_end_to_end(tmp_path):
     assert "soft labels: the rebuilt logits' argmax equals the stored prediction" in res.output
     res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "t"), "--soft-labels", "1.5"])
     assert res.exit_code == 2 and "--soft-labels 1.5" in res.output and "Traceback" not in res.output
+    res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "u"), "--minutes", "-1"])
+    assert res.exit_code == 2 and "--minutes -1" in res.output and "Traceback" not in res.output
 
 
 def test_target_tail_rebuilds_the_targets_logits(tmp_path):
@@ -356,3 +358,39 @@ def test_soft_labels_refuse_a_tail_that_is_not_the_target(trained):
     tc = TrainConfig(steps=10, eval_every=10, anchors_per_seq=4, soft_labels=0.5)
     with pytest.raises(TrainingDataError, match="reproduce only"):
         next(train(draft, t["shards"], t["held"], t["root"] / "bad", tc, tail=tail))
+
+
+def test_prefetched_batches_equal_sequential_ones(trained):
+    """The prefetch thread draws from the sampler's own generator in order: the same batches
+    as calling `batch` step by step, so a seed still fixes the whole run."""
+    import numpy as np
+
+    cfg = trained["cfg"]
+    a = BlockSampler(trained["shards"], 8, cfg.mask_token_id, 5)
+    b = BlockSampler(trained["shards"], 8, cfg.mask_token_id, 5)
+    stream = b.prefetch(2, 8)
+    for _ in range(6):
+        for x, y in zip(a.batch(2, 8), next(stream)):
+            assert np.array_equal(np.array(x), np.array(y))
+    stream.close()
+
+
+def test_minutes_cuts_the_schedule_to_fit(trained, tmp_path):
+    """`minutes` ends a 100,000-step run on time: the last event is the schedule's (shortened)
+    end, with a checkpoint, and the learning rate has decayed to ~0 there."""
+    import time
+
+    from dflash_mlx.draft import DFlashDraftModel
+
+    mx.random.seed(1)
+    draft = DFlashDraftModel(trained["cfg"]).bind(trained["pair"].target)
+    tc = TrainConfig(steps=100_000, lr=1e-3, warmup=5, eval_every=10, checkpoint_every=10_000,
+                     anchors_per_seq=8, minutes=0.1)
+    tic = time.perf_counter()
+    events = list(train(draft, trained["shards"], trained["held"], tmp_path / "ck", tc))
+    assert time.perf_counter() - tic < 60
+    last = events[-1]
+    assert 20 < last.step == last.total_steps < 100_000
+    assert last.checkpoint and (tmp_path / "ck" / "model.safetensors").is_file()
+    assert last.lr < 1e-3 * 0.25  # the cosine was fitted to the time, not cut short
+    assert tc.steps == 100_000  # the caller's config is left as given
