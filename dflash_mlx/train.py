@@ -63,7 +63,9 @@ class TrainEvent:
     lr: float
     tokens_per_s: float  # label positions per second
     elapsed_s: float
-    heldout_tau: float | None = None
+    heldout_tau: float | None = None  # blocks at uniform anchors (train.heldout_tau)
+    # blocks where greedy decoding would put them (train_eval.walk_tau): the benchmark's τ
+    heldout_walk_tau: float | None = None
     slot_accuracy: list[float] | None = None
     checkpoint: str | None = None
     # rebuilt logits' argmax vs stored predictions: measured once, on the first event only
@@ -269,6 +271,8 @@ def train(draft: DFlashDraftModel, train_shards: list[FeatureShard],
 
     `tail` (a `train_soft.TargetTail`) is needed when `cfg.soft_labels` > 0.
     """
+    from .train_eval import walk_tau
+
     dc = draft.config
     B = dc.block_size
     sampler = BlockSampler(train_shards, B, dc.mask_token_id, cfg.seed)
@@ -324,8 +328,9 @@ def train(draft: DFlashDraftModel, train_shards: list[FeatureShard],
             if done % cfg.eval_every == 0 or done == cfg.steps:
                 elapsed = time.perf_counter() - tic
                 tau, acc = heldout_tau(draft, eval_batches, cfg.eval_block_size)
+                walked = walk_tau(draft, heldout_shards, cfg.eval_block_size)
                 ev = TrainEvent(done, float(np.mean(losses)), opt.learning_rate.item(),
-                                labels_seen / elapsed, elapsed, tau, acc,
+                                labels_seen / elapsed, elapsed, tau, walked, acc,
                                 soft_agreement=agreement, total_steps=cfg.steps)
                 agreement = None
                 losses, labels_seen, tic = [], 0, time.perf_counter()

@@ -129,11 +129,13 @@ def run(model: str, out: Path, *, features: Path | None, prompts: int, max_token
                 print(f"soft labels: the rebuilt logits' argmax equals the stored prediction at "
                       f"{ev.soft_agreement:.2%} of held-out labels", file=sys.stderr, flush=True)
             info = (f"loss {ev.loss:.3f}  {ev.tokens_per_s:.0f} labels/s  "
-                    f"held-out τ@{tc.eval_block_size} {ev.heldout_tau:.2f}")
+                    f"held-out τ@{tc.eval_block_size} {ev.heldout_walk_tau:.2f} decoding, "
+                    f"{ev.heldout_tau:.2f} per block")
             bar.update(task, completed=ev.step, total=ev.total_steps, info=info)
             # a plain line per evaluation too, so logs keep the τ curve
             print(f"step {ev.step} loss {ev.loss:.4f} lr {ev.lr:.2e} labels/s "
-                  f"{ev.tokens_per_s:.0f} heldout_tau {ev.heldout_tau:.3f} slot_acc "
+                  f"{ev.tokens_per_s:.0f} heldout_tau {ev.heldout_tau:.3f} walk_tau "
+                  f"{ev.heldout_walk_tau:.3f} slot_acc "
                   + " ".join(f"{a:.3f}" for a in ev.slot_accuracy), file=sys.stderr, flush=True)
     if vocab:
         write_vocab(draft, out, shards, held, vocab, trained_through=tc.head_vocab > 0)

@@ -23,6 +23,7 @@ from dflash_mlx.demo import load_demo_feature_target
 from dflash_mlx.load import check_pair, load_draft
 from dflash_mlx.train import BlockSampler, TrainConfig, heldout_tau, train
 from dflash_mlx.train_data import load_shards, self_distill_features, split_heldout
+from dflash_mlx.train_eval import walk_tau
 from dflash_mlx.train_prompts import chat_prompts
 
 
@@ -93,11 +94,14 @@ def main():
     evals = BlockSampler(held, cfg.block_size, cfg.mask_token_id, tc.seed + 1)
     tau0, _ = heldout_tau(draft, [evals.batch(8, 8) for _ in range(tc.eval_blocks // 64)],
                           tc.eval_block_size)
-    log(f"start ({args.init.name}): held-out τ@{tc.eval_block_size} {tau0:.3f} (full head)")
+    walk0 = walk_tau(draft, held, tc.eval_block_size)
+    log(f"start ({args.init.name}): held-out τ@{tc.eval_block_size} {tau0:.3f} per block, "
+        f"{walk0:.3f} decoding (full head)")
     for ev in train(draft, shards, held, args.out / "draft", tc):
         acc = " ".join(f"{a:.3f}" for a in ev.slot_accuracy)
         log(f"step {ev.step}/{ev.total_steps} loss {ev.loss:.4f} lr {ev.lr:.2e} labels/s "
-            f"{ev.tokens_per_s:.0f} heldout_tau {ev.heldout_tau:.3f} slot_acc {acc}"
+            f"{ev.tokens_per_s:.0f} heldout_tau {ev.heldout_tau:.3f} walk_tau "
+            f"{ev.heldout_walk_tau:.3f} slot_acc {acc}"
             + (" (saved)" if ev.checkpoint else ""))
 
 

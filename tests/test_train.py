@@ -55,10 +55,13 @@ def trained(tmp_path_factory):
     evals = BlockSampler(held, 8, cfg.mask_token_id, 123)
     batches = [evals.batch(8, 8) for _ in range(8)]
     tau0, _ = heldout_tau(draft, batches, 5)
+    from dflash_mlx.train_eval import walk_tau
+
+    walk0 = walk_tau(draft, held, 5)
     tc = TrainConfig(steps=300, lr=1e-3, warmup=20, eval_every=100, checkpoint_every=100,
                      anchors_per_seq=16)
     events = list(train(draft, shards, held, root / "ckpt", tc))
-    return dict(pair=pair, cfg=cfg, draft=draft, events=events, tau0=tau0, root=root,
+    return dict(pair=pair, cfg=cfg, draft=draft, events=events, tau0=tau0, walk0=walk0, root=root,
                 shards=shards, held=held, batches=batches, tc=tc)
 
 
@@ -70,6 +73,8 @@ def test_loss_falls_and_heldout_tau_rises(trained):
     # untrained: τ = 1.0 (nothing accepted); the threshold leaves room for run-to-run noise
     assert tau > trained["tau0"] + 0.3, (trained["tau0"], tau)
     assert ev[-1].heldout_tau > trained["tau0"] + 0.3
+    assert all(e.heldout_walk_tau >= 1 for e in ev)
+    assert ev[-1].heldout_walk_tau > trained["walk0"] + 0.1, (trained["walk0"], ev[-1])
 
 
 def test_checkpoint_is_a_loadable_zlab_draft(trained):
@@ -394,3 +399,32 @@ def test_minutes_cuts_the_schedule_to_fit(trained, tmp_path):
     assert last.checkpoint and (tmp_path / "ck" / "model.safetensors").is_file()
     assert last.lr < 1e-3 * 0.25  # the cosine was fitted to the time, not cut short
     assert tc.steps == 100_000  # the caller's config is left as given
+
+
+def test_walked_rounds_are_the_engines_rounds(trained):
+    """`walk_runs` over a stored greedy answer accepts, round by round, what the engine's
+    greedy DFlash decoding of the same prompt accepted (the walked τ is decoding's τ)."""
+    import numpy as np
+
+    from dflash_mlx.load import pair_from_models
+    from dflash_mlx.train_eval import walk_runs, walk_tau
+    from dflash_mlx.train_data import FeatureShard
+
+    pair, draft = trained["pair"], trained["draft"]
+    live = pair_from_models(pair.target.model, pair.tokenizer, draft)
+    checked = 0
+    for k in range(4):
+        prompt = [int(t) for t in trained["held"][0].sequence(k)[0][:20]]
+        events = list(stream_generate(live, prompt, block_size=5, max_tokens=40, min_confidence=0))
+        engine = [e.accepted for e in events if e.drafted]
+        seq = prompt + [t for e in events for t in e.tokens]
+        logits, taps = pair.target(mx.array([seq]), pair.target.make_cache())
+        preds = np.array(mx.argmax(logits[0], axis=-1))
+        taps = np.array(taps[0])  # float32 as the engine's draft sees them (shards store f16)
+        runs = walk_runs(draft, np.array(seq), preds, taps, len(prompt) - 1, 5)
+        assert len(runs) >= 3 and runs == engine[: len(runs)], (runs, engine)
+        checked += sum(runs)
+        shard = FeatureShard(np.array(seq, np.int32), preds.astype(np.int32), taps,
+                             np.array([0, len(seq)]), np.array([len(prompt)]))
+        assert walk_tau(draft, [shard], 5) == 1 + np.mean(runs)
+    assert checked > 0  # some drafted tokens were accepted: the comparison is not all zeros
