@@ -3,8 +3,8 @@
 `train.heldout_tau` scores blocks at anchors drawn uniformly over the answers. That weights
 each stretch of text by its length, but decoding spends one round per *block*: an easy stretch
 goes by in a few long rounds, a hard one takes a round per token. So uniform anchors overstate
-the τ a benchmark measures (on the demo's benchmark answers: 2.05 uniform, 1.75 walked, 1.67
-measured by `dflash-mlx benchmark`). The walk anchors a block where greedy decoding would (the
+the τ a benchmark measures (the demo pair on its answers to the first four prompts of each
+bundled set: 2.08 uniform, 1.75 walked; `dflash-mlx benchmark` measures 1.67 on the first two). The walk anchors a block where greedy decoding would (the
 last prompt token, then each round's bonus token), so its mean is the benchmark's τ
 on the same answers, up to where the last round is cut off.
 """
