@@ -52,7 +52,7 @@ class TrainConfig:
     # rebuilt from the deepest tap (train_soft.py); the rest stays on the argmax labels
     soft_labels: float = 0.0
     # >0: end training after this many minutes: the step count (and so the cosine schedule)
-    # is cut to what fits, measured on the first steps
+    # is cut to what fits, timed on the first steps and re-fitted at each evaluation
     minutes: float = 0.0
 
 
@@ -63,7 +63,7 @@ class TrainEvent:
     lr: float
     tokens_per_s: float  # label positions per second
     elapsed_s: float
-    heldout_tau: float | None = None  # blocks at uniform anchors (train.heldout_tau)
+    heldout_tau: float | None = None  # blocks at uniform anchors (train_eval.heldout_tau)
     # blocks where greedy decoding would put them (train_eval.walk_tau): the benchmark's τ
     heldout_walk_tau: float | None = None
     slot_accuracy: list[float] | None = None
@@ -141,19 +141,15 @@ class BlockSampler:
         for k, (tok, pred, taps) in enumerate(seqs):
             ctx[k, : len(tok)] = taps
             hi = len(tok) - B + 1  # labels pred[a .. a+B-2] must exist
-            # slot j's label counts only if the target's own greedy chain reaches it, i.e. every
-            # token between the anchor and it is what the target predicted: always true in greedy
-            # answers, often false in teacher-forced text and sampled answers
-            follows = tok[1:] == pred[:-1]
-            for a in self.rng.integers(picks[k][2], hi + 1, n_anchors):
-                blocks.append([tok[a]] + [self.mask_id] * (B - 1))
-                lab = pred[a : a + B - 1].copy()
-                lab[1:][np.cumprod(follows[a : a + B - 2]) == 0] = -1
-                labels.append(lab)
-                seq_of.append(k)
-                anchors.append(a)
-        return (np.array(blocks, dtype=np.int32), ctx, np.array(seq_of, dtype=np.int32),
-                np.array(anchors, dtype=np.int32), np.array(labels, dtype=np.int32))
+            a = self.rng.integers(picks[k][2], hi + 1, n_anchors)
+            block = np.full((n_anchors, B), self.mask_id, dtype=np.int32)
+            block[:, 0] = tok[a]
+            blocks.append(block)
+            labels.append(block_labels(tok, pred, a, B - 1))
+            seq_of.append(np.full(n_anchors, k, dtype=np.int32))
+            anchors.append(a.astype(np.int32))
+        return (np.concatenate(blocks), ctx, np.concatenate(seq_of), np.concatenate(anchors),
+                np.concatenate(labels))
 
     def prefetch(self, n_seqs: int, n_anchors: int, depth: int = 3) -> Iterator[tuple]:
         """Endless `batch`es, assembled on a thread while the device runs the previous step
@@ -179,6 +175,18 @@ class BlockSampler:
         finally:
             stop.set()
             worker.join()
+
+
+def block_labels(tokens: np.ndarray, preds: np.ndarray, anchors: np.ndarray, n: int) -> np.ndarray:
+    """Labels (len(anchors), n) of slots 1..n of blocks at `anchors`: the target's predictions
+    `preds[a .. a+n-1]`. Slot j's label counts (else -1) only if the target's own greedy chain
+    reaches it, i.e. every token between the anchor and it is what the target predicted: always
+    true in greedy answers, often false in teacher-forced text and sampled answers."""
+    at = anchors[:, None] + np.arange(n)[None, :]
+    labels = preds[at].astype(np.int32)
+    follows = tokens[1:] == preds[:-1]  # token i+1 is the target's prediction at i
+    labels[:, 1:][np.cumprod(follows[at[:, :-1]], axis=1) == 0] = -1
+    return labels
 
 
 def position_weights(block_size: int, decay: float) -> mx.array:
@@ -219,23 +227,6 @@ def restrict_for_training(draft, shards: list[FeatureShard], size: int, out_dir:
     return mx.array(rows)
 
 
-def heldout_tau(draft, batches: list, block_size: int) -> tuple[float, list[float]]:
-    """Simulated greedy acceptance length at `block_size` on held-out anchors.
-
-    With the target's own predictions as labels, a draft slot is accepted iff its argmax equals
-    the label and all earlier slots were accepted; τ = 1 + accepted (the bonus token).
-    """
-    lengths, hits = [], np.zeros(block_size - 1)
-    for blocks, ctx, seq_of, anchors, labels in batches:
-        blocks, labels = blocks[:, :block_size], labels[:, : block_size - 1]
-        h = packed_hidden(draft, blocks, ctx, seq_of, anchors)
-        ok = np.array(draft.greedy_tokens(h[:, 1:]) == labels)
-        run = np.cumprod(ok, axis=1)
-        lengths.extend(1 + run.sum(axis=1))
-        hits += ok.sum(axis=0)
-    return float(np.mean(lengths)), list(hits / len(lengths))
-
-
 def lr_at(step: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
@@ -271,14 +262,12 @@ def train(draft: DFlashDraftModel, train_shards: list[FeatureShard],
 
     `tail` (a `train_soft.TargetTail`) is needed when `cfg.soft_labels` > 0.
     """
-    from .train_eval import walk_tau
+    from .train_eval import heldout_batches, heldout_tau, walk_tau
 
     dc = draft.config
     B = dc.block_size
     sampler = BlockSampler(train_shards, B, dc.mask_token_id, cfg.seed)
-    evals = BlockSampler(heldout_shards, B, dc.mask_token_id, cfg.seed + 1)
-    # the same held-out anchors at every evaluation, so the τ curve is comparable
-    eval_batches = [evals.batch(8, 8) for _ in range(max(1, cfg.eval_blocks // 64))]
+    eval_batches = heldout_batches(heldout_shards, dc, cfg)
     weights = position_weights(B, cfg.decay)
     out_dir = Path(out_dir)
     rows = None

@@ -42,7 +42,8 @@ def build_features(pair, out: Path, *, prompts: int, max_tokens: int, batch: int
 def write_vocab(draft, out: Path, shards, held, size: int, trained_through: bool) -> None:
     """Ship a restricted proposal head (draft_vocab.json) and report what it costs in τ."""
     from . import draft_vocab
-    from .train import BlockSampler, heldout_tau
+    from .train import BlockSampler
+    from .train_eval import heldout_tau
 
     if trained_through:  # the trainer already wrote the ids its loss went through
         ids, coverage = draft_vocab.read_with_coverage(out)

@@ -1,12 +1,13 @@
-"""Held-out τ the way decoding meets it: walk each answer a verify round at a time.
+"""Held-out τ estimates for training: blocks at uniform anchors, and the walk decoding takes.
 
-`train.heldout_tau` scores blocks at anchors drawn uniformly over the answers. That weights
-each stretch of text by its length, but decoding spends one round per *block*: an easy stretch
-goes by in a few long rounds, a hard one takes a round per token. So uniform anchors overstate
-the τ a benchmark measures (the demo pair on its answers to the first four prompts of each
-bundled set: 2.08 uniform, 1.75 walked; `dflash-mlx benchmark` measures 1.67 on the first two). The walk anchors a block where greedy decoding would (the
-last prompt token, then each round's bonus token), so its mean is the benchmark's τ
-on the same answers, up to where the last round is cut off.
+`heldout_tau` scores blocks at anchors drawn uniformly over the answers. That weights each
+stretch of text by its length, but decoding spends one round per *block*: an easy stretch goes
+by in a few long rounds, a hard one takes a round per token. So uniform anchors overstate the τ
+a benchmark measures (the demo pair on its answers to the first four prompts of each bundled
+set: 2.08 uniform, 1.75 walked; `dflash-mlx benchmark` measures 1.67 on the first two). The
+walk anchors a block where greedy decoding would (the last prompt token, then each round's
+bonus token), so its mean is the benchmark's τ on the same answers, up to where the last round
+is cut off.
 """
 
 from __future__ import annotations
@@ -14,8 +15,32 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .train import packed_hidden
+from .train import BlockSampler, TrainConfig, block_labels, packed_hidden
 from .train_data import FeatureShard
+
+
+def heldout_batches(shards: list[FeatureShard], draft_config, cfg: TrainConfig) -> list:
+    """The held-out blocks every evaluation scores: the same anchors (seed + 1) each time, so
+    the τ curve is comparable."""
+    evals = BlockSampler(shards, draft_config.block_size, draft_config.mask_token_id, cfg.seed + 1)
+    return [evals.batch(8, 8) for _ in range(max(1, cfg.eval_blocks // 64))]
+
+
+def heldout_tau(draft, batches: list, block_size: int) -> tuple[float, list[float]]:
+    """Simulated greedy acceptance length at `block_size` on held-out anchors.
+
+    With the target's own predictions as labels, a draft slot is accepted iff its argmax equals
+    the label and all earlier slots were accepted; τ = 1 + accepted (the bonus token).
+    """
+    lengths, hits = [], np.zeros(block_size - 1)
+    for blocks, ctx, seq_of, anchors, labels in batches:
+        blocks, labels = blocks[:, :block_size], labels[:, : block_size - 1]
+        h = packed_hidden(draft, blocks, ctx, seq_of, anchors)
+        ok = np.array(draft.greedy_tokens(h[:, 1:]) == labels)
+        run = np.cumprod(ok, axis=1)
+        lengths.extend(1 + run.sum(axis=1))
+        hits += ok.sum(axis=0)
+    return float(np.mean(lengths)), list(hits / len(lengths))
 
 
 def walk_runs(draft, tokens: np.ndarray, preds: np.ndarray, taps: np.ndarray, start: int,
@@ -32,17 +57,12 @@ def walk_runs(draft, tokens: np.ndarray, preds: np.ndarray, taps: np.ndarray, st
     if last < start:
         return []
     anchors = np.arange(start, last + 1)
-    mask = draft.config.mask_token_id
-    blocks = mx.array([[int(tokens[a])] + [mask] * (block_size - 1) for a in anchors])
-    h = packed_hidden(draft, blocks, mx.array(taps[None]), mx.zeros(len(anchors), mx.int32),
+    blocks = np.full((len(anchors), block_size), draft.config.mask_token_id, dtype=np.int32)
+    blocks[:, 0] = tokens[anchors]
+    h = packed_hidden(draft, mx.array(blocks), mx.array(taps[None]), mx.zeros(len(anchors), mx.int32),
                       mx.array(anchors.astype(np.int32)))
     guess = np.array(draft.greedy_tokens(h[:, 1:]))
-    labels = np.stack([preds[a : a + block_size - 1] for a in anchors])
-    # past a token the target would not have produced itself, decoding would have left this text
-    follows = np.append(tokens[1:] == preds[:-1], False)
-    chain = np.stack([np.cumprod(follows[a : a + block_size - 2]) for a in anchors])
-    ok = guess == labels
-    ok[:, 1:] &= chain.astype(bool)
+    ok = guess == block_labels(tokens, preds, anchors, block_size - 1)  # -1: never a guess
     run = np.cumprod(ok, axis=1).sum(axis=1)
     runs, i = [], 0
     while i < len(anchors):

@@ -21,9 +21,9 @@ import mlx.core as mx
 
 from dflash_mlx.demo import load_demo_feature_target
 from dflash_mlx.load import check_pair, load_draft
-from dflash_mlx.train import BlockSampler, TrainConfig, heldout_tau, train
+from dflash_mlx.train import TrainConfig, train
 from dflash_mlx.train_data import load_shards, self_distill_features, split_heldout
-from dflash_mlx.train_eval import walk_tau
+from dflash_mlx.train_eval import heldout_batches, heldout_tau, walk_tau
 from dflash_mlx.train_prompts import chat_prompts
 
 
@@ -89,11 +89,8 @@ def main():
                      seqs_per_step=args.seqs, anchors_per_seq=args.anchors, head_vocab=8192,
                      eval_every=args.eval_every, checkpoint_every=args.eval_every,
                      eval_blocks=4096, seed=args.seed)
-    cfg = draft.config
-    # the trainer's own held-out anchors (seed + 1), scored before any step: the start's τ
-    evals = BlockSampler(held, cfg.block_size, cfg.mask_token_id, tc.seed + 1)
-    tau0, _ = heldout_tau(draft, [evals.batch(8, 8) for _ in range(tc.eval_blocks // 64)],
-                          tc.eval_block_size)
+    # the trainer's own held-out blocks, scored before any step: the start's τ
+    tau0, _ = heldout_tau(draft, heldout_batches(held, draft.config, tc), tc.eval_block_size)
     walk0 = walk_tau(draft, held, tc.eval_block_size)
     log(f"start ({args.init.name}): held-out τ@{tc.eval_block_size} {tau0:.3f} per block, "
         f"{walk0:.3f} decoding (full head)")

@@ -15,9 +15,10 @@ from dflash_mlx.draft import DFlashDraftModel
 from dflash_mlx.load import load_draft
 from dflash_mlx.stats import Stats
 from dflash_mlx.train import (
-    BlockSampler, TrainConfig, heldout_tau, new_draft_config, packed_hidden, pick_mask_token, train,
+    BlockSampler, TrainConfig, new_draft_config, packed_hidden, pick_mask_token, train,
 )
 from dflash_mlx.train_data import extract_features, load_shards, split_heldout
+from dflash_mlx.train_eval import heldout_tau
 
 
 def _predictable_target(folder: Path):
