@@ -17,7 +17,7 @@ import typer
 from . import render
 from .cli_options import (  # the app and the options shared with cli_more
     DEFAULT_BLOCK_SIZE, DEFAULT_MAX_TOKENS, R, ApiKeyOpt, BackendOpt, BaseUrlOpt, BlockSizeOpt,
-    DraftBitsOpt, DraftOpt, MaxTokensOpt, MinConfidenceOpt, ModelOpt, NoDraftOpt, NoTemplateOpt, ReasoningOpt,
+    DraftBitsOpt, DraftOpt, LookupOpt, MaxTokensOpt, MinConfidenceOpt, ModelOpt, NoDraftOpt, NoTemplateOpt, ReasoningOpt,
     SeedOpt, SystemOpt, TempOpt, TopKOpt, TopPOpt, WeightsOpt, app,
 )
 from .errors import InvalidArgumentError
@@ -39,6 +39,7 @@ def generate(
     draft_bits: DraftBitsOpt = 4,
     weights: WeightsOpt = "auto",
     min_confidence: MinConfidenceOpt = None,
+    lookup: LookupOpt = True,
     max_tokens: MaxTokensOpt = DEFAULT_MAX_TOKENS,
     temp: TempOpt = 0.0,
     top_p: TopPOpt = 1.0,
@@ -80,7 +81,8 @@ def generate(
     spec = registry.resolve(model, draft, no_draft)
     template_kwargs = registry.reasoning_kwargs(spec.entry, reasoning)
     writer = render.EventsWriter(events) if events else None
-    pair, loaded = prepare.open_pair(spec, draft_bits, weights, _say(quiet), min_confidence)
+    pair, loaded = prepare.open_pair(spec, draft_bits, weights, _say(quiet), min_confidence,
+                                      lookup)
     block = prepare.choose_block(pair, loaded, requested, None if quiet else render.note)
     ids = prepare.prompt_ids(pair, text, system_prompt, template_kwargs, not no_chat_template)
     stats, tokens, interrupted, peak = _stream(pair, ids, block, sampling, writer, verbose)
@@ -98,7 +100,7 @@ def generate(
 
         writer.summary({
             "versions": versions(), **loaded.models(), "block_size": block,
-            "min_confidence": pair.min_confidence,
+            "min_confidence": pair.min_confidence, "lookup": pair.lookup,
             "sampling": sampling, "chat_template": not no_chat_template, "reasoning": reasoning,
             "prompt_ids": len(ids), "stats": stats.as_dict(), "peak_memory_gb": round(peak, 4),
             "interrupted": interrupted, "parity": asdict(parity) if parity else None,
@@ -241,6 +243,7 @@ def benchmark(
     draft_bits: DraftBitsOpt = 4,
     weights: WeightsOpt = "auto",
     min_confidence: MinConfidenceOpt = None,
+    lookup: LookupOpt = True,
     dataset: Annotated[str, typer.Option(
         help="gsm8k, math500, humaneval, mbpp, mt-bench; a comma list, or all.")] = "gsm8k",
     num_prompts: Annotated[int, typer.Option(help="Items per dataset (file order).")] = 8,
@@ -288,7 +291,8 @@ def benchmark(
     for name in names:
         metas[name], items = bench.load_prompts(name)
         sets[name] = items[:num_prompts]
-    pair, loaded = prepare.open_pair(spec, draft_bits, weights, render.progress, min_confidence)
+    pair, loaded = prepare.open_pair(spec, draft_bits, weights, render.progress, min_confidence,
+                                      lookup)
     for b in blocks:
         prepare.check_block_size(pair, b)
     encode = prepare.encoder(pair, template_kwargs)
@@ -298,7 +302,7 @@ def benchmark(
     render.out.print(render.bench_table(rows, f"{loaded.spec.target} + {loaded.spec.draft}"))
     if out is not None:
         settings = {**sampling, "block_sizes": blocks, "min_confidence": pair.min_confidence,
-                    "num_prompts": num_prompts,
+                    "lookup": pair.lookup, "num_prompts": num_prompts,
                     "repeats": repeats, "reasoning": reasoning, "datasets": names,
                     "warmup": f"{bench.WARMUP_TOKENS} tokens per system on {bench.WARMUP_PROMPT!r}"}
         card = bench.card(machine=machine(), versions=versions(), models=loaded.models(),

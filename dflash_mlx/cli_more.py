@@ -10,7 +10,7 @@ import typer
 from . import render
 from .cli_options import (
     DEFAULT_BLOCK_SIZE, DEFAULT_MAX_TOKENS, S, BlockSizeOpt, DraftBitsOpt, DraftOpt, MaxTokensOpt,
-    MinConfidenceOpt,
+    LookupOpt, MinConfidenceOpt,
     ModelOpt, NoDraftOpt, ReasoningOpt, SeedOpt, SystemOpt, TempOpt, TopKOpt, TopPOpt, WeightsOpt,
     app,
 )
@@ -26,6 +26,7 @@ def chat(
     draft_bits: DraftBitsOpt = 4,
     weights: WeightsOpt = "auto",
     min_confidence: MinConfidenceOpt = None,
+    lookup: LookupOpt = True,
     max_tokens: MaxTokensOpt = 2048,
     temp: TempOpt = 0.0,
     top_p: TopPOpt = 1.0,
@@ -49,7 +50,7 @@ def chat(
                             seed=seed, reasoning=reasoning, system_prompt=system_prompt)
     loader = registry_loader(settings, model=model, draft=draft, no_draft=no_draft,
                              draft_bits=draft_bits, weights=weights, block_size=requested,
-                             min_confidence=min_confidence)
+                             min_confidence=min_confidence, lookup=lookup)
     raise typer.Exit(run_chat(settings, loader, resume=resume))
 
 
@@ -62,6 +63,7 @@ def serve(
     draft_bits: DraftBitsOpt = 4,
     weights: WeightsOpt = "auto",
     min_confidence: MinConfidenceOpt = None,
+    lookup: LookupOpt = True,
     host: Annotated[str, typer.Option(
         help="Address to listen on; 0.0.0.0 opens the server to the network.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port; 0 picks a free one.")] = 8000,
@@ -89,7 +91,7 @@ def serve(
     prepare.check_sampling(max_tokens, temp, top_p, top_k, None)
     (requested,) = [1] if no_draft else prepare.parse_block_sizes(block_size, allow_list=False)
     server_cli.serve(registry.resolve(model, draft, no_draft), requested, draft_bits=draft_bits,
-                     weights=weights, min_confidence=min_confidence, host=host, port=port, api_key=api_key,
+                     weights=weights, min_confidence=min_confidence, lookup=lookup, host=host, port=port, api_key=api_key,
                      model_name=served_model_name, queue_size=queue_size, log_level=log_level,
                      defaults={"max_tokens": max_tokens, "temperature": temp, "top_p": top_p,
                                "top_k": top_k})

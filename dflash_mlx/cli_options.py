@@ -68,6 +68,10 @@ MinConfidenceOpt = Annotated[Optional[float], typer.Option(
     "this; 0 verifies whole blocks. Default: 0.1 on the CPU device (every verified token costs "
     "there), 0 on a GPU. The output is the target's either way.",
     rich_help_panel=M, show_default=False)]
+LookupOpt = Annotated[bool, typer.Option(
+    "--lookup/--no-lookup", help="Where the draft is unsure, try the tokens that followed the same "
+    "words earlier in the conversation (v1 drafts). The output is the target's either way.",
+    rich_help_panel=M)]
 BlockSizeOpt = Annotated[str, typer.Option(
     "--block-size", help="Verify width: the last token + B-1 drafted ones, 2..the draft's trained "
     "size; or 'auto' (from the measured verify cost on this machine, see `doctor`).",

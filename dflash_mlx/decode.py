@@ -19,6 +19,7 @@ from typing import Iterator
 import mlx.core as mx
 
 from .errors import InvalidArgumentError
+from .lookup import Hint, continuation
 from .verify import SamplingParams, greedy_accept, rejection_sample, sampling_probs
 
 PREFILL_STEP = 512
@@ -57,6 +58,7 @@ class BlockEvent:
     generation_tokens: int
     finish_reason: str | None = None
     trimmed: int = 0  # drafted slots cut before verification for low draft confidence
+    lookup_flags: list[bool] = field(default_factory=list)  # per drafted slot: from context lookup
 
     @property
     def acceptance_length(self) -> int:
@@ -205,6 +207,7 @@ def stream_generate(
     seed: int | None = None,
     session: Session | None = None,
     min_confidence: float | None = None,
+    lookup: bool | None = None,
 ) -> Iterator[BlockEvent]:
     """Generate with DFlash speculation (block_size > 1) or plain AR (block_size == 1).
 
@@ -217,6 +220,8 @@ def stream_generate(
         min_confidence: verify only the leading drafted tokens the draft gives at least this
             probability (0: the whole block); None uses `pair.min_confidence`. Exactness
             does not depend on it, only the cost of a round does.
+        lookup: let a continuation found earlier in the context replace the unsure end of a
+            v1 draft's block (`lookup.py`); None uses `pair.lookup`. Exact either way.
 
     Yields:
         One `BlockEvent` per verify round; the last one carries `finish_reason`.
@@ -225,6 +230,8 @@ def stream_generate(
     if min_confidence is None:
         min_confidence = getattr(pair, "min_confidence", 0.0)
     min_confidence = float(min_confidence)
+    if lookup is None:
+        lookup = getattr(pair, "lookup", False)
     _check_args(pair, block_size, max_tokens, params, min_confidence)
     ids = encode_prompt(pair, prompt)
     speculate = block_size > 1
@@ -235,6 +242,7 @@ def stream_generate(
     key = mx.random.key(seed if seed is not None else random.getrandbits(32))
     eos = set(getattr(pair.tokenizer, "eos_token_ids", None) or [])
     mask_id = pair.draft.config.mask_token_id if speculate else None
+    lookup = bool(lookup) and speculate and not pair.draft.config.is_dflash2
 
     tic = time.perf_counter()
     n_prompt, n_reused = prefill(pair, session, ids)
@@ -247,7 +255,7 @@ def stream_generate(
         last = session.tokens[-1]
         base = len(session.tokens) - 1  # target cache length before this round
         drafted: list[int] = []
-        q = None
+        q = hint = None
         tic = time.perf_counter()
         if width > 1:
             block = mx.array([[last] + [mask_id] * (width - 1)])
@@ -255,10 +263,13 @@ def stream_generate(
             dkey = None
             if not params.greedy:  # DFlash 2's selector samples its path (v1 ignores both)
                 key, dkey = mx.random.split(key)
+            if lookup:
+                found = continuation(session.tokens, width - 1)
+                hint = Hint(found) if found else None
             try:
                 tokens, q = pair.draft.propose(
                     block, session.pending, session.draft_cache, params=params, key=dkey,
-                    min_confidence=min_confidence,
+                    min_confidence=min_confidence, lookup=hint,
                 )
                 mx.eval(tokens)
                 session.pending = None
@@ -326,6 +337,7 @@ def stream_generate(
             generation_tokens=produced,
             finish_reason=finish,
             trimmed=max(width - 1 - len(drafted), 0),
+            lookup_flags=hint.flags(len(drafted)) if hint else [],
         )
         if finish is not None:
             return

@@ -146,10 +146,12 @@ class DFlash2DraftModel(DFlashDraftModel):
         self.layers = [DFlash2DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
         self.candidate_selector = CandidateSelector(cfg)
 
-    def propose(self, block_ids, context, cache, params=None, key=None, min_confidence=0.0):
+    def propose(self, block_ids, context, cache, params=None, key=None, min_confidence=0.0,
+                lookup=None):
         """The selector's path for slots 1..γ, and its q scattered to dense (γ, V) rows at T>0.
 
-        `min_confidence` is a v1 knob: the selector walks one joint path, so it is ignored.
+        `min_confidence` and `lookup` are v1 knobs: the selector walks one joint path with a
+        recorded q, so both are ignored.
 
         The dense rows hold the K candidate probabilities at their ids and 0 elsewhere, so
         `verify.rejection_sample` accepts iff u·q(d) < p(d) and draws the next token from

@@ -14,6 +14,7 @@ import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .config import DraftConfig
+from .lookup import Hint, merge
 
 # Meta's assistant head stores the context projection under different names.
 KEY_REMAP = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
@@ -279,6 +280,7 @@ class DFlashDraftModel(nn.Module):
     def propose(
         self, block_ids: mx.array, context: mx.array | None, cache: list[ContextCache],
         params=None, key: mx.array | None = None, min_confidence: float = 0.0,
+        lookup: Hint | None = None,
     ) -> tuple[mx.array, mx.array | None]:
         """Draft tokens for slots 1..L-1 and their proposal distribution (None = one-hot).
 
@@ -292,12 +294,21 @@ class DFlashDraftModel(nn.Module):
         token costs (the CPU). Slot k adds a token only if slots 1..k all hold, so the product,
         not slot k's own probability, is what its verify cost buys. The cut depends on the
         draft alone, so the verification, and with it the output distribution, is unchanged.
+
+        `lookup` (see `lookup.py`) offers a continuation found earlier in the context; it takes
+        over from the first unsure slot it disagrees with, and `lookup.start` records where.
         """
         hidden = self(block_ids, context, cache)[:, 1:]
-        if min_confidence <= 0:
+        if min_confidence <= 0 and lookup is None:
             return self.greedy_tokens(hidden)[0], None
         ids, confidence = self.tokens_and_confidence(hidden[0])
-        return ids[: joint_keep(confidence.tolist(), min_confidence)], None
+        ids, confidence = ids.tolist(), confidence.tolist()
+        if lookup is not None:
+            ids, confidence, lookup.start = merge(ids, confidence, lookup.tokens)
+        keep = joint_keep(confidence, min_confidence) if min_confidence > 0 else len(ids)
+        if lookup is not None and lookup.start is not None and keep <= lookup.start:
+            lookup.start = None  # the cut dropped every lookup slot
+        return mx.array(ids[:keep], dtype=mx.int32), None
 
     def proposal_logits(self, hidden: mx.array) -> mx.array:
         """Logits over the ids the draft proposes from: the restricted head's rows when set."""

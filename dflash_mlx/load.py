@@ -40,6 +40,7 @@ class Pair:
     draft_bits: int = 16
     info: dict = field(default_factory=dict)
     min_confidence: float = 0.0  # stream_generate's default (see `auto_min_confidence`)
+    lookup: bool = True  # stream_generate's default: context lookup for v1 drafts (lookup.py)
 
 
 def on_cpu() -> bool:

@@ -119,10 +119,10 @@ def read_prompt(positional: str | None, option: str | None) -> str:
 
 
 def open_pair(spec: registry.Spec, draft_bits: int, weights: str, say: Say = None,
-              min_confidence: float | None = None):
+              min_confidence: float | None = None, lookup: bool = True):
     """Download what `spec` names (narrow patterns, progress bars) and load it.
 
-    Returns (pair, Loaded).
+    `lookup` sets the pair's default for context lookup (`lookup.py`). Returns (pair, Loaded).
     """
     from .load import DRAFT_PATTERNS, MODEL_PATTERNS, load, resolve
 
@@ -138,6 +138,7 @@ def open_pair(spec: registry.Spec, draft_bits: int, weights: str, say: Say = Non
         d_path = resolve(spec.draft, DRAFT_PATTERNS, spec.draft_revision, progress=bars)
     pair = load(t_path, d_path, draft_bits=draft_bits, weights=weights, progress=say,
                 min_confidence=min_confidence)
+    pair.lookup = lookup
     loaded = Loaded(
         spec, t_path, d_path,
         spec.target_revision or registry.snapshot_revision(t_path),

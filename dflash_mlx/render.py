@@ -65,8 +65,10 @@ def block_line(index: int, ev) -> str:
     timing = f"draft {ev.draft_s * 1e3:6.1f} ms  verify {ev.verify_s * 1e3:6.1f} ms"
     if not ev.drafted and not ev.trimmed:
         return f"#{index:<4} AR  {' ' * 12}{timing}  {ev.text!r}"
-    # · marks a slot cut before verification (--min-confidence)
-    bar = "".join("▮" if f else "▯" for f in ev.accept_flags) + "·" * ev.trimmed
+    # ◆/◇: a slot the context lookup filled; · a slot cut before verification (--min-confidence)
+    looked = ev.lookup_flags or [False] * len(ev.accept_flags)
+    bar = "".join(("◆" if f else "◇") if lk else ("▮" if f else "▯")
+                  for f, lk in zip(ev.accept_flags, looked)) + "·" * ev.trimmed
     own = len(ev.tokens) - min(ev.accepted, len(ev.tokens))
     return f"#{index:<4} {bar} {ev.accepted}/{len(ev.drafted)} +{own}  {timing}  {ev.text!r}"
 
@@ -86,6 +88,9 @@ def stats_lines(stats, peak_gb: float, block_size: int) -> list[str]:
         if stats.trimmed:
             lines.append(f"Cut before verifying: {stats.trimmed} low-confidence draft slots "
                          "(--min-confidence)")
+        if stats.lookup_slots:
+            lines.append(f"Context lookup: {stats.lookup_accepted} of {stats.lookup_slots} "
+                         "slots it filled were accepted (--no-lookup turns it off)")
     lines.append(f"Peak memory: {peak_gb:.3f} GB")
     return lines
 

@@ -99,7 +99,7 @@ def benchmark(base_url: str, api_key: str | None, model: str | None, dataset: st
 
 
 def serve(spec, requested, *, draft_bits: int, weights: str, min_confidence: float | None,
-          host: str, port: int,
+          lookup: bool, host: str, port: int,
           api_key: str | None, model_name: str | None, queue_size: int, log_level: str,
           defaults: dict) -> None:
     """`serve`: bind, load the pair, then answer until Ctrl-C."""
@@ -117,7 +117,7 @@ def serve(spec, requested, *, draft_bits: int, weights: str, min_confidence: flo
     sock = bind(host, port)
     try:
         pair, loaded = prepare.open_pair(spec, draft_bits, weights, render.progress,
-                                         min_confidence)
+                                         min_confidence, lookup)
         block = prepare.choose_block(pair, loaded, requested, render.note)
     except BaseException:
         sock.close()

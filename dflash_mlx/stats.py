@@ -20,6 +20,8 @@ class Stats:
     tokens: int = 0
     drafted_rounds: int = 0
     trimmed: int = 0  # drafted slots cut for low confidence (never verified)
+    lookup_slots: int = 0  # drafted slots the context lookup supplied (verified)
+    lookup_accepted: int = 0  # ... of which the target accepted
     position_tries: list[int] = field(default_factory=list)
     position_hits: list[int] = field(default_factory=list)
     draft_s: float = 0.0
@@ -44,6 +46,8 @@ class Stats:
         if ev.drafted:
             self.drafted_rounds += 1
         self.trimmed += ev.trimmed
+        self.lookup_slots += sum(ev.lookup_flags)
+        self.lookup_accepted += sum(f and ok for f, ok in zip(ev.lookup_flags, ev.accept_flags))
         for i, ok in enumerate(ev.accept_flags):
             while len(self.position_tries) <= i:
                 self.position_tries.append(0)
@@ -82,6 +86,8 @@ class Stats:
             "tau": round(self.tau, 4),
             "acceptance_rates": [round(r, 4) for r in self.acceptance_rates],
             "trimmed_slots": self.trimmed,
+            "lookup_slots": self.lookup_slots,
+            "lookup_accepted": self.lookup_accepted,
             "draft_s": round(self.draft_s, 4),
             "verify_s": round(self.verify_s, 4),
             "generation_tps": round(self.tokens_per_s, 3),

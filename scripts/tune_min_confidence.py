@@ -7,11 +7,13 @@ tokens it yields, so greedy decoding can be replayed exactly for any cut:
    two, which `benchmark --num-prompts 2` reports), decode the AR greedy answer.
 2. One teacher-forced target pass gives the taps of the whole sequence; at every position the
    draft proposes a block from exactly the context a real round would have, and we record
-   each slot's probability and how many leading slots match the greedy answer.
+   each slot's token and probability.
 3. Time on this machine one AR step, a target pass of each width 1..B, and a draft pass.
-4. Replay: a round at position i keeps k slots (by the rule), accepts min(match, k), moves
-   on by that + 1, and costs draft + verify(k + 1). Simulated speedup = AR time / DFlash time.
-   tests/test_demo_pair.py checks the replayed rounds against a real run.
+4. Replay: a round at position i merges the context lookup into the block as the engine does
+   (`lookup.py`; or not, for the rows "no lookup"), keeps k slots (by the rule), accepts the
+   leading ones that match the greedy answer, moves on by that + 1, and costs draft +
+   verify(k + 1). Simulated speedup = AR time / DFlash time. tests/test_demo_pair.py checks
+   the replayed rounds against a real run.
 
 Two rules: `joint` (the engine's: keep slots while the product of their probabilities stays
 >= P) and `slot` (each slot's own probability >= P, the engine's rule before).
@@ -35,12 +37,14 @@ from dflash_mlx import prepare, registry, stream_generate
 from dflash_mlx.bench import DATASETS, load_prompts
 from dflash_mlx.draft import joint_keep as keep_joint  # the engine's own rule
 from dflash_mlx.errors import DFlashError
+from dflash_mlx.lookup import continuation, merge
 
 THRESHOLDS = (0.0, 0.03, 0.05, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
 
 
-def record(pair, ids: list[int], block: int, max_tokens: int) -> list[tuple[list[float], int]]:
-    """(slot probabilities, leading slots that match greedy) at every decode position."""
+def record(pair, ids: list[int], block: int, max_tokens: int) -> dict:
+    """The greedy sequence, and the draft's (slot tokens, slot probabilities) at every decode
+    position from the last prompt token on."""
     answer = [t for ev in stream_generate(pair, ids, block_size=1, max_tokens=max_tokens)
               for t in ev.tokens]
     seq = ids + answer
@@ -50,14 +54,8 @@ def record(pair, ids: list[int], block: int, max_tokens: int) -> list[tuple[list
         blk = mx.array([[seq[pos]] + [draft.config.mask_token_id] * (block - 1)])
         hidden = draft(blk, taps[:, :pos], draft.make_cache())[0, 1:]
         proposed, conf = draft.tokens_and_confidence(hidden)
-        conf = conf.tolist()
-        match = 0
-        for k, t in enumerate(proposed.tolist()):
-            if pos + 1 + k >= len(seq) or t != seq[pos + 1 + k]:
-                break
-            match += 1
-        rows.append((conf, match))
-    return rows
+        rows.append((proposed.tolist(), conf.tolist()))
+    return {"seq": seq, "start": len(ids) - 1, "rows": rows}
 
 
 def costs(pair, seq: list[int], block: int, reps: int = 9) -> tuple[float, float, dict]:
@@ -107,14 +105,22 @@ def keep_slot(conf: list[float], p: float) -> int:
     return k
 
 
-def replay(rows, keep) -> list[tuple[int, int]]:
+def replay(rec: dict, keep, lookup: bool = True) -> list[tuple[int, int]]:
     """(slots kept, slots accepted) per round of a greedy DFlash run that cuts with `keep`."""
+    seq, start, rows = rec["seq"], rec["start"], rec["rows"]
     i, rounds = 0, []
     while i < len(rows):
-        conf, match = rows[i]
+        pos = start + i
+        tokens, conf = rows[i]
+        if lookup:
+            tokens, conf, _ = merge(tokens, conf, continuation(seq[: pos + 1], len(tokens)))
         k = keep(conf)
-        rounds.append((k, min(match, k)))
-        i += min(match, k) + 1
+        accepted = 0
+        while accepted < k and pos + 1 + accepted < len(seq) and \
+                tokens[accepted] == seq[pos + 1 + accepted]:
+            accepted += 1
+        rounds.append((k, accepted))
+        i += accepted + 1
     return rounds
 
 
@@ -152,17 +158,20 @@ def main():
             last = encode([{"role": "user", "content": turns[0]}])
             records[f"{name}#{i}"] = record(pair, last, a.block_size, a.max_tokens)
     ar_s, draft_s, verify = costs(pair, last, a.block_size)
-    print(f"{len(records)} prompts, {sum(len(r) for r in records.values())} positions; "
+    print(f"{len(records)} prompts, {sum(len(r['rows']) for r in records.values())} positions; "
           f"AR step {ar_s * 1e3:.1f} ms, draft {draft_s * 1e3:.1f} ms, verify "
           + " ".join(f"{w}:{s * 1e3:.1f}" for w, s in verify.items()) + " ms")
     table = []
-    for rule, keep in (("joint", keep_joint), ("slot", keep_slot)):
+    for rule, keep, lookup in (("joint", keep_joint, True), ("joint", keep_joint, False),
+                               ("slot", keep_slot, False)):
+        name = rule + ("" if lookup else " (no lookup)")
         for p in THRESHOLDS:
-            rounds = [r for rows in records.values() for r in replay(rows, lambda c: keep(c, p))]
+            rounds = [r for rec in records.values()
+                      for r in replay(rec, lambda c: keep(c, p), lookup)]
             t, r = sum(a + 1 for _, a in rounds), len(rounds)
             s = sum(draft_s + verify[k + 1] for k, _ in rounds)
-            table.append({"rule": rule, "threshold": p, "tau": t / r, "speedup": t * ar_s / s})
-            print(f"{rule:5s} {p:<5} τ {t / r:.2f}  simulated speedup {t * ar_s / s:.3f}×")
+            table.append({"rule": name, "threshold": p, "tau": t / r, "speedup": t * ar_s / s})
+            print(f"{name:17s} {p:<5} τ {t / r:.2f}  simulated speedup {t * ar_s / s:.3f}×")
     best = max(table, key=lambda row: row["speedup"])
     print(f"best: {best['rule']} {best['threshold']} ({best['speedup']:.3f}×)")
     if a.json:

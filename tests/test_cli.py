@@ -52,10 +52,21 @@ def test_generate_text_on_stdout_stats_on_stderr(tiny):
 def test_quiet_and_verbose(tiny):
     quiet = gen(tiny, "Hi", "--max-tokens", 6, "--quiet")
     assert quiet.exit_code == 0 and quiet.stderr == "" and quiet.stdout.strip()
-    verbose = gen(tiny, "Hi", "--max-tokens", 6, "--verbose", "--block-size", 3)
+    verbose = gen(tiny, "Hi", "--max-tokens", 6, "--verbose", "--block-size", 3, "--no-lookup")
     rounds = [ln for ln in verbose.stderr.splitlines() if ln.startswith("#")]
     # the random draft is always rejected: one token per round
     assert len(rounds) == 6 and "0/2 +1" in rounds[0] and "verify" in rounds[0]
+
+
+def test_lookup_is_shown_and_can_be_turned_off(tiny):
+    """The tiny target's answer repeats itself, so the context lookup fills draft slots."""
+    on = gen(tiny, "Hi", "--max-tokens", 40, "--verbose", "--block-size", 3)
+    off = gen(tiny, "Hi", "--max-tokens", 40, "--verbose", "--block-size", 3, "--no-lookup")
+    assert on.exit_code == 0 and off.exit_code == 0
+    assert on.stdout == off.stdout  # exact either way
+    marks = "".join(ln.split()[1] for ln in on.stderr.splitlines() if ln.startswith("#"))
+    assert "◆" in marks and "Context lookup:" in on.stderr
+    assert "◆" not in off.stderr and "◇" not in off.stderr and "Context lookup" not in off.stderr
 
 
 def test_oracle_draft_accepts_every_position(tiny):
@@ -113,7 +124,7 @@ def test_events_jsonl_schema(tiny, tmp_path):
     blocks, summary = rows[:-1], rows[-1]
     keys = {"type", "index", "tokens", "text", "drafted", "accepted", "accept_flags", "draft_s",
             "verify_s", "block_size", "prompt_tokens", "reused_tokens", "prompt_s",
-            "generation_tokens", "finish_reason", "trimmed"}
+            "generation_tokens", "finish_reason", "trimmed", "lookup_flags"}
     assert all(set(b) == keys and b["type"] == "block" for b in blocks)
     assert [b["index"] for b in blocks] == list(range(len(blocks)))
     assert sum(len(b["tokens"]) for b in blocks) == 10

@@ -77,14 +77,20 @@ def test_cut_replay_equals_a_real_run(pair):
     spec = importlib.util.spec_from_file_location("tune_min_confidence", path)
     tune = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tune)
-    ids = _ids(pair, PROMPTS[1])
+    # names the function, so the answer repeats the prompt's words: the lookup fills slots
+    ids = _ids(pair, "Write a Python function `is_palindrome(text)` that checks whether a "
+               "string is a palindrome.")
     rows = tune.record(pair, ids, 5, 48)
-    cut_somewhere = False
+    cut_somewhere = looked_up = False
     for p in (0.0, 0.1, 0.3):
-        events = list(stream_generate(pair, ids, max_tokens=48, min_confidence=p))
-        real = [(len(ev.drafted), ev.accepted) for ev in events
-                if len(ev.drafted) + ev.trimmed == 4]
-        assert len(real) >= 10
-        assert tune.replay(rows, lambda c, p=p: tune.keep_joint(c, p))[: len(real)] == real, p
-        cut_somewhere |= any(ev.trimmed for ev in events)
-    assert cut_somewhere
+        for lookup in (True, False):
+            events = list(stream_generate(pair, ids, max_tokens=48, min_confidence=p,
+                                          lookup=lookup))
+            real = [(len(ev.drafted), ev.accepted) for ev in events
+                    if len(ev.drafted) + ev.trimmed == 4]
+            assert len(real) >= 10
+            replayed = tune.replay(rows, lambda c, p=p: tune.keep_joint(c, p), lookup)
+            assert replayed[: len(real)] == real, (p, lookup)
+            cut_somewhere |= any(ev.trimmed for ev in events)
+            looked_up |= any(any(ev.lookup_flags) for ev in events)
+    assert cut_somewhere and looked_up

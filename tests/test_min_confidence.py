@@ -64,6 +64,7 @@ def dirs(tmp_path_factory):
 def watched(dirs):
     pair = float32_pair(*dirs, Watched)
     pair.draft.seen = Seen()
+    pair.lookup = False  # the cut's rule alone; test_lookup.py covers the two together
     return pair
 
 

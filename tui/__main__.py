@@ -36,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-confidence", type=float,
                    help="verify leading drafted tokens while the draft's joint probability "
                    "that all are right is at least this (0: whole blocks)")
+    p.add_argument("--no-lookup", action="store_true",
+                   help="no context lookup for the draft's unsure slots")
     return p.parse_args(argv)
 
 
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     loader = registry_loader(settings, model=a.model, draft=a.draft, no_draft=a.no_draft,
                              draft_bits=a.draft_bits, weights=a.weights,
                              block_size=1 if a.no_draft else block,
-                             min_confidence=a.min_confidence)
+                             min_confidence=a.min_confidence, lookup=not a.no_lookup)
     return run_chat(settings, loader, resume=a.resume)
 
 

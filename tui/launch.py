@@ -15,12 +15,13 @@ from .settings import ChatSettings
 def registry_loader(settings: ChatSettings, *, model: str | None = None,
                     draft: str | None = None, no_draft: bool = False, draft_bits: int = 4,
                     weights: str = "auto", block_size: int | str = 5,
-                    min_confidence: float | None = None) -> Callable:
+                    min_confidence: float | None = None, lookup: bool = True) -> Callable:
     """A loader for the app's worker; it also settles block size and reasoning in `settings`.
 
     Args:
         block_size: a size, or "auto" (from the measured verify cost, as in `generate`).
         min_confidence: the cut of unsure draft slots (None: the device's default).
+        lookup: context lookup for the draft's unsure slots (dflash_mlx/lookup.py).
     """
 
     def loader(progress):
@@ -28,7 +29,8 @@ def registry_loader(settings: ChatSettings, *, model: str | None = None,
 
         spec = registry.resolve(model, draft, no_draft)
         registry.reasoning_kwargs(spec.entry, settings.reasoning)  # checks the level
-        pair, loaded = prepare.open_pair(spec, draft_bits, weights, progress, min_confidence)
+        pair, loaded = prepare.open_pair(spec, draft_bits, weights, progress, min_confidence,
+                                              lookup)
         settings.block_size = prepare.choose_block(pair, loaded, block_size, progress)
         entry = spec.entry
         if entry is not None and entry.reasoning_kwarg:
