@@ -60,15 +60,21 @@ class TextStream:
             self.last = "\n"
 
 
+def slot_glyphs(ev, accepted: int | None = None) -> str:
+    """One glyph per drafted slot: ▮/▯ accepted/rejected, ◆/◇ the same for a slot the context
+    lookup filled, then · per slot cut before verification (--min-confidence)."""
+    k = ev.accepted if accepted is None else accepted
+    looked = ev.lookup_flags or [False] * len(ev.drafted)
+    return "".join(("◆" if i < k else "◇") if lk else ("▮" if i < k else "▯")
+                   for i, lk in enumerate(looked)) + "·" * ev.trimmed
+
+
 def block_line(index: int, ev) -> str:
     """`--verbose`: one line per verify round."""
     timing = f"draft {ev.draft_s * 1e3:6.1f} ms  verify {ev.verify_s * 1e3:6.1f} ms"
     if not ev.drafted and not ev.trimmed:
         return f"#{index:<4} AR  {' ' * 12}{timing}  {ev.text!r}"
-    # ◆/◇: a slot the context lookup filled; · a slot cut before verification (--min-confidence)
-    looked = ev.lookup_flags or [False] * len(ev.accept_flags)
-    bar = "".join(("◆" if f else "◇") if lk else ("▮" if f else "▯")
-                  for f, lk in zip(ev.accept_flags, looked)) + "·" * ev.trimmed
+    bar = slot_glyphs(ev)
     own = len(ev.tokens) - min(ev.accepted, len(ev.tokens))
     return f"#{index:<4} {bar} {ev.accepted}/{len(ev.drafted)} +{own}  {timing}  {ev.text!r}"
 

@@ -162,6 +162,9 @@ def test_panel_glyphs_and_bars():
     assert block_glyphs(cut) == "▮▯·· 1/2 +1"
     all_cut = dataclasses.replace(ev([7], "", 0, block=1), trimmed=4)
     assert block_glyphs(all_cut) == "···· 0/0 +1"
+    # slots 3-4 came from the context lookup: slot 3 accepted, slot 4 rejected
+    looked = dataclasses.replace(ev([1, 2, 3, 4], "", 3), lookup_flags=[False, False, True, True])
+    assert block_glyphs(looked) == "▮▮◆◇ 3/4 +1"
     assert bar(0.5, 4).plain == "██··"
 
 

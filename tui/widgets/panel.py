@@ -10,6 +10,7 @@ from textual.content import Content
 from textual.widgets import Sparkline, Static
 
 from dflash_mlx.decode import BlockEvent
+from dflash_mlx.render import slot_glyphs
 from dflash_mlx.stats import Stats, break_even_tau
 
 from .provenance import ProvenanceLegend
@@ -29,14 +30,15 @@ def bar(fraction: float, width: int = BAR_WIDTH) -> Content:
 
 
 def block_glyphs(ev: BlockEvent) -> str:
-    """`▮▮▯· 2/3 +1`: accepted drafts of the round, rejected ones, slots cut for low draft
-    confidence (·, never verified), and the target's own token."""
+    """`▮▮▯· 2/3 +1`: accepted drafts of the round, rejected ones (◆/◇ where the context lookup
+    filled the slot), slots cut for low draft confidence (·, never verified), and the target's
+    own token."""
     if not ev.drafted and not ev.trimmed:
         return "AR step +1" if ev.tokens else "AR step"
     n = len(ev.drafted)
     k = min(ev.accepted, len(ev.tokens))
     extra = " +1" if len(ev.tokens) > k else ""
-    return f"{'▮' * k}{'▯' * (n - k)}{'·' * ev.trimmed} {k}/{n}{extra}"
+    return f"{slot_glyphs(ev, k)} {k}/{n}{extra}"
 
 
 def round_cost_tau(stats: Stats, baseline_tps: float | None) -> float | None:
