@@ -25,8 +25,9 @@ def servers(tiny, tmp_path_factory):
     logs = tmp_path_factory.mktemp("client-logs")
     mlx = ss.start(["--model", str(tiny.target), "--log-level", "WARNING"], logs / "mlx_lm.log",
                    module="mlx_lm.server", serve=False)
+    # a random draft and no context lookup: every round yields one token (τ 1.0 below)
     ours = ss.start(["--model", tiny.target, "--draft", tiny.draft, "--api-key", KEY,
-                     "--log-level", "warning"], logs / "ours.log")
+                     "--log-level", "warning", "--no-lookup"], logs / "ours.log")
     try:
         yield ss.wait_ready(mlx), ss.wait_ready(ours)
     finally:
