@@ -293,7 +293,7 @@ class DFlashDraftModel(nn.Module):
         target verifies fewer tokens where the draft is unsure: that pays where each verified
         token costs (the CPU). Slot k adds a token only if slots 1..k all hold, so the product,
         not slot k's own probability, is what its verify cost buys. The cut depends on the
-        draft alone, so the verification, and with it the output distribution, is unchanged.
+        proposal alone, so the verification, and with it the output distribution, is unchanged.
 
         `lookup` (see `lookup.py`) offers a continuation found earlier in the context; it takes
         over from the first unsure slot it disagrees with, and `lookup.start` records where.
