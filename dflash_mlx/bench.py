@@ -161,6 +161,9 @@ def summarize(samples: list[Sample], block_sizes: list[int], greedy: bool) -> li
                 "dflash_tps": round(1 / tpot, 3) if tpot else None,
                 "greedy_match": round(sum(matches) / len(matches), 4) if greedy else None,
                 "tokens": sum(len(s.median(b).tokens) for s in group),
+                # share of the generated tokens that were context-lookup slots the target accepted
+                "lookup_share": round(merged.lookup_accepted / merged.tokens, 4)
+                if merged.tokens else 0.0,
             })
     return rows
 

@@ -223,15 +223,18 @@ def doctor_tables(curve, rows, best) -> list[Table]:
 def bench_table(rows: list[dict], title: str) -> Table:
     t = Table(title=title, title_justify="left",
               caption="speedup = AR time/token ÷ DFlash time/token (prefill excluded); τ = tokens "
-              "per verify round; match = outputs identical to AR greedy", caption_justify="left")
-    for col in ("dataset", "B", "n", "speedup", "τ", "accept/pos", "AR tok/s", "DF tok/s", "match"):
+              "per verify round; lookup = share of tokens from accepted context-lookup slots; "
+              "match = outputs identical to AR greedy", caption_justify="left")
+    for col in ("dataset", "B", "n", "speedup", "τ", "accept/pos", "lookup", "AR tok/s", "DF tok/s",
+                "match"):
         left = col in ("dataset", "accept/pos")
         t.add_column(col, justify="left" if left else "right", no_wrap=col == "dataset")
     for r in rows:
         rates = " ".join(f"{x:.0%}" for x in r["acceptance_rates"]) or "-"
         match = "n/a" if r["greedy_match"] is None else f"{r['greedy_match']:.0%}"
         t.add_row(r["dataset"], str(r["block_size"]), str(r["samples"]), f"{r['speedup']:.2f}×",
-                  f"{r['tau']:.2f}", rates, f"{r['ar_tps']:.1f}", f"{r['dflash_tps']:.1f}", match)
+                  f"{r['tau']:.2f}", rates, f"{r.get('lookup_share', 0):.0%}", f"{r['ar_tps']:.1f}",
+                  f"{r['dflash_tps']:.1f}", match)
     return t
 
 

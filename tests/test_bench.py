@@ -69,6 +69,30 @@ def test_runs_interleave_and_alternate(tiny, monkeypatch):
     assert b4["speedup"] == pytest.approx(b4["dflash_tps"] / b4["ar_tps"], rel=1e-3)
 
 
+def test_rows_count_the_lookup_share(tiny):
+    """A row's lookup share is its accepted context-lookup slots over all tokens it generated
+    (the tiny target repeats itself, so the lookup has matches); none without the lookup."""
+    from dflash_mlx.load import load
+
+    pair = load(tiny.target, tiny.draft, min_confidence=0.0)
+    sets = {"gsm8k": [["The cat sat. The cat sat. The cat"]]}
+
+    def encode(messages):
+        return pair.tokenizer.encode(" ".join(m["content"] for m in messages))
+
+    samples = bench.run(pair, sets, encode, block_sizes=[4],
+                        sampling={"max_tokens": 40, "temperature": 0.0})
+    (row,) = bench.summarize(samples, [4], greedy=True)
+    events = samples[0].median(4).events
+    looked = sum(f and a for e in events for f, a in zip(e.lookup_flags, e.accept_flags))
+    assert looked > 0
+    assert row["lookup_share"] == pytest.approx(looked / row["tokens"], abs=1e-4)
+    pair.lookup = False
+    samples = bench.run(pair, sets, encode, block_sizes=[4],
+                        sampling={"max_tokens": 40, "temperature": 0.0})
+    assert bench.summarize(samples, [4], greedy=True)[0]["lookup_share"] == 0.0
+
+
 def test_multi_turn_history_uses_the_ar_answer(tiny):
     from dflash_mlx.load import load
 
