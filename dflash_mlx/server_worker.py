@@ -110,7 +110,8 @@ class Job:
 
 
 def speculation(stats: Stats, drafted: int, accepted: int, block_size: int) -> dict:
-    """The `speculation` extension field: τ, per-position acceptance, drafted and accepted."""
+    """The `speculation` extension field: τ, per-position acceptance, drafted and accepted
+    (and how many drafted slots the context lookup filled, and of those accepted)."""
     return {
         "block_size": block_size,
         "rounds": stats.rounds,
@@ -118,6 +119,8 @@ def speculation(stats: Stats, drafted: int, accepted: int, block_size: int) -> d
         "acceptance_rates": [round(r, 4) for r in stats.acceptance_rates],
         "drafted_tokens": drafted,
         "accepted_tokens": accepted,
+        "lookup_tokens": stats.lookup_slots,
+        "lookup_accepted": stats.lookup_accepted,
         "draft_s": round(stats.draft_s, 4),
         "verify_s": round(stats.verify_s, 4),
         "prefill_s": round(stats.prompt_s, 4),

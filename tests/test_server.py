@@ -101,6 +101,9 @@ def test_chat_streaming_and_not_equal_engine_greedy(server, engine):
     assert spec["tau"] == pytest.approx(24 / len(events), abs=1e-3)
     assert spec["drafted_tokens"] == sum(len(e.drafted) for e in events)
     assert spec["accepted_tokens"] == sum(e.accepted for e in events)
+    assert spec["lookup_tokens"] == sum(sum(e.lookup_flags) for e in events)
+    assert spec["lookup_accepted"] == sum(
+        f and a for e in events for f, a in zip(e.lookup_flags, e.accept_flags))
 
     status, chunks = server.events(CHAT, {"messages": HELLO, "max_tokens": 24,
                                           "stream_options": {"include_usage": True}})
