@@ -306,8 +306,6 @@ class DFlashDraftModel(nn.Module):
         if lookup is not None:
             ids, confidence, lookup.start = merge(ids, confidence, lookup.tokens)
         keep = joint_keep(confidence, min_confidence) if min_confidence > 0 else len(ids)
-        if lookup is not None and lookup.start is not None and keep <= lookup.start:
-            lookup.start = None  # the cut dropped every lookup slot
         return mx.array(ids[:keep], dtype=mx.int32), None
 
     def proposal_logits(self, hidden: mx.array) -> mx.array:

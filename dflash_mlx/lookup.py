@@ -39,7 +39,8 @@ class Hint:
     start: int | None = None  # None: the draft's own block was kept
 
     def flags(self, n: int) -> list[bool]:
-        """Per drafted slot, whether it came from the lookup."""
+        """Per verified slot (the first `n`: the cut may drop the rest), whether it came from
+        the lookup."""
         return [self.start is not None and i >= self.start for i in range(n)]
 
 
