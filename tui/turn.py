@@ -4,7 +4,8 @@ Pure logic (no widgets), so it is tested directly and reused to replay a saved t
 
 Provenance labels, one per committed token and then one per character of text:
 ``0`` none (user text, unknown), ``1..B-1`` an accepted draft token at that block position,
-``TARGET`` the target's own token (the correction after a rejection, or the bonus token).
+``LOOKUP`` an accepted token the context lookup filled in (dflash_mlx/lookup.py), ``TARGET``
+the target's own token (the correction after a rejection, or the bonus token).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dflash_mlx.decode import BlockEvent
 from dflash_mlx.stats import Stats
 
 TARGET = 16
+LOOKUP = 17
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CHANNELS = ("thinking", "answer")
 
@@ -34,8 +36,10 @@ def sanitize(text: str) -> str:
 
 
 def token_labels(ev: BlockEvent) -> list[int]:
-    """Provenance of each committed token of one round: draft position i+1, or TARGET."""
-    return [i + 1 if i < ev.accepted else TARGET for i in range(len(ev.tokens))]
+    """Provenance of each committed token of one round: draft position i+1, LOOKUP or TARGET."""
+    looked = ev.lookup_flags
+    return [TARGET if i >= ev.accepted else LOOKUP if i < len(looked) and looked[i] else i + 1
+            for i in range(len(ev.tokens))]
 
 
 def char_labels(text: str, pieces: list[str], labels: list[int]) -> list[int]:

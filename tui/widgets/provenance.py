@@ -3,7 +3,7 @@
 Textual's Markdown renders blocks from markdown-it tokens and re-renders only the last block
 on `append`. The tint is applied where a block's inline Content is built: its rendered text is
 aligned (greedy, in order) with the source lines the block covers, and runs of equal labels
-become spans styled by component classes (``prov-d1`` … ``prov-d7``, ``prov-t``).
+become spans styled by component classes (``prov-d1`` … ``prov-d7``, ``prov-l``, ``prov-t``).
 """
 
 from __future__ import annotations
@@ -16,17 +16,20 @@ from textual.style import Style
 from textual.widgets import Markdown, Static
 from textual.widgets._markdown import MarkdownBlock, MarkdownFence
 
-from ..turn import TARGET
+from ..turn import LOOKUP, TARGET
 
 DRAFT_SHADES = 7
-COMPONENTS = {f"prov-d{i}" for i in range(1, DRAFT_SHADES + 1)} | {"prov-t"}
+COMPONENTS = {f"prov-d{i}" for i in range(1, DRAFT_SHADES + 1)} | {"prov-l", "prov-t"}
 _SEARCH_WINDOW = 64
+LEGEND_WIDTH = 32  # the speculation panel's inner width
 
 
 def label_class(label: int) -> str:
     """The component class of a provenance label ('' for none)."""
     if label == TARGET:
         return "prov-t"
+    if label == LOOKUP:
+        return "prov-l"
     if label > 0:
         return f"prov-d{min(label, DRAFT_SHADES)}"
     return ""
@@ -215,6 +218,10 @@ class ProvenanceLegend(_TintStyles, Static):
             if pos > 1:
                 parts.append(Content(" "))
             parts.append(Content(f"{pos}").stylize("." + label_class(pos)))
-        parts.append(Content("  "))
-        parts.append(Content("target").stylize(".prov-t"))
-        self.update(Content("").join(parts))
+        head = Content("").join(parts)
+        tail = Content("").join([Content("lookup").stylize(".prov-l"), Content(" "),
+                                 Content("target").stylize(".prov-t")])
+        # wide blocks put the rest on a second line rather than wrap inside a word
+        width = self.content_size.width or LEGEND_WIDTH
+        gap = "  " if head.cell_length + 2 + tail.cell_length <= width else "\n"
+        self.update(Content("").join([head, Content(gap), tail]))
