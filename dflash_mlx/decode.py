@@ -19,7 +19,7 @@ from typing import Iterator
 import mlx.core as mx
 
 from .errors import InvalidArgumentError
-from .lookup import Hint, continuation
+from .lookup import WINDOW, Hint
 from .verify import SamplingParams, greedy_accept, rejection_sample, sampling_probs
 
 PREFILL_STEP = 512
@@ -264,8 +264,7 @@ def stream_generate(
             if not params.greedy:  # DFlash 2's selector samples its path (v1 ignores both)
                 key, dkey = mx.random.split(key)
             if lookup:
-                found = continuation(session.tokens, width - 1)
-                hint = Hint(found) if found else None
+                hint = Hint(session.tokens[-WINDOW:])
             try:
                 tokens, q = pair.draft.propose(
                     block, session.pending, session.draft_cache, params=params, key=dkey,

@@ -295,8 +295,8 @@ class DFlashDraftModel(nn.Module):
         not slot k's own probability, is what its verify cost buys. The cut depends on the
         proposal alone, so the verification, and with it the output distribution, is unchanged.
 
-        `lookup` (see `lookup.py`) offers a continuation found earlier in the context; it takes
-        over from the first unsure slot it disagrees with, and `lookup.start` records where.
+        `lookup` (see `lookup.py`) carries the context, where continuations of the block found
+        earlier may take over its unsure slots; `lookup.start` records where one did.
         """
         hidden = self(block_ids, context, cache)[:, 1:]
         if min_confidence <= 0 and lookup is None:
@@ -304,7 +304,7 @@ class DFlashDraftModel(nn.Module):
         ids, confidence = self.tokens_and_confidence(hidden[0])
         ids, confidence = ids.tolist(), confidence.tolist()
         if lookup is not None:
-            ids, confidence, lookup.start = merge(ids, confidence, lookup.tokens)
+            ids, confidence, lookup.start = merge(ids, confidence, lookup.context)
         keep = joint_keep(confidence, min_confidence) if min_confidence > 0 else len(ids)
         return mx.array(ids[:keep], dtype=mx.int32), None
 

@@ -37,7 +37,7 @@ from dflash_mlx import prepare, registry, stream_generate
 from dflash_mlx.bench import DATASETS, load_prompts
 from dflash_mlx.draft import joint_keep as keep_joint  # the engine's own rule
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.lookup import continuation, merge
+from dflash_mlx.lookup import merge
 
 THRESHOLDS = (0.0, 0.03, 0.05, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
 
@@ -113,7 +113,7 @@ def replay(rec: dict, keep, lookup: bool = True) -> list[tuple[int, int]]:
         pos = start + i
         tokens, conf = rows[i]
         if lookup:
-            tokens, conf, _ = merge(tokens, conf, continuation(seq[: pos + 1], len(tokens)))
+            tokens, conf, _ = merge(tokens, conf, seq[: pos + 1])
         k = keep(conf)
         accepted = 0
         while accepted < k and pos + 1 + accepted < len(seq) and \

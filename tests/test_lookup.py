@@ -1,8 +1,9 @@
 """Context lookup: the rule itself, and that decoding stays exact when it fills draft slots.
 
-Checked here: `continuation` finds the latest earlier occurrence of the longest suffix n-gram
-(3, then 2; never 1); `merge` keeps confident draft slots and switches to the lookup only at an
-unsure slot it disagrees with, after agreeing on every slot before; greedy decoding with the
+Checked here: `find` gives what followed the latest earlier occurrence of the longest suffix
+n-gram (3, then 2; never 1) and how long that match is; `merge` looks up after the draft's own
+slots and switches to the lookup only at a slot it disagrees with where the draft is unsure or
+the text is being copied; greedy decoding with the
 lookup on equals mlx-lm greedy over many prompts and block sizes while the lookup really fills
 (and gets accepted on) slots; sampling with a lookup-filled first slot still follows the
 target's distribution, first token and the one after it; the CLI's switch and summary line.
@@ -16,7 +17,7 @@ import pytest
 
 from dflash_mlx import stream_generate, tiny
 from dflash_mlx.draft import DFlashDraftModel
-from dflash_mlx.lookup import LOOKUP_CONFIDENCE, UNSURE, Hint, continuation, merge
+from dflash_mlx.lookup import LOOKUP_CONFIDENCE, MATCH_CAP, UNSURE, Hint, find, merge
 from dflash_mlx.render import stats_lines
 from dflash_mlx.stats import Stats
 from dflash_mlx.verify import SamplingParams
@@ -24,7 +25,11 @@ from engine_support import float32_pair, mlx_lm_greedy
 from test_sampling import chi_square, target_rows
 
 
-def test_continuation_prefers_the_longest_latest_match():
+def continuation(ctx, k):
+    return find(ctx, k)[0]
+
+
+def test_find_prefers_the_longest_latest_match():
     #        0  1  2  3  4  5  6  7  8  9 10 11 12
     ctx = [1, 2, 3, 9, 9, 7, 2, 3, 5, 6, 1, 2, 3]
     # suffix [1, 2, 3] occurs at 0 (followed by 9, 9, 7); the later [2, 3] at 6 loses to it
@@ -33,29 +38,47 @@ def test_continuation_prefers_the_longest_latest_match():
     # only the 2-gram [2, 3] repeats: its latest earlier occurrence (at 6) wins
     assert continuation([4, 2, 3, 8, 2, 3, 5, 0, 2, 3], 3) == [5, 0, 2]
     # a lone repeated token is not enough; nothing repeats; too short; k = 0
-    assert continuation([5, 1, 7, 8, 1], 3) == []
+    assert find([5, 1, 7, 8, 1], 3) == ([], 0)
     assert continuation([1, 2, 3, 4], 3) == []
     assert continuation([1, 2], 3) == []
-    assert continuation(ctx, 0) == []
+    assert find(ctx, 0) == ([], 0)
     # the continuation may run into the suffix itself (a repeating run)
     assert continuation([7, 7, 7, 7], 4) == [7]
 
 
-def test_merge_switches_only_at_an_unsure_disagreeing_slot():
+def test_find_measures_how_much_the_match_shares():
+    text = list(range(10, 20))
+    # the last 8 tokens (12..19) repeat text's 12..19: the 3-gram match shares all 8
+    assert find(text + [50] + text[2:], 2) == ([50, 12], 8)
+    assert find(text + [50] + text[3:], 2) == ([50, 13], 7)
+    # a 2-gram match preceded by different tokens shares just the 2
+    assert find([4, 7, 8, 5, 6, 9, 0, 7, 8], 2) == ([5, 6], 2)
+    # capped: a long repeated run stops counting at MATCH_CAP
+    assert find([3] * 200, 1) == ([3], MATCH_CAP)
+
+
+def test_merge_switches_only_where_the_draft_is_unsure_or_the_text_is_copied():
     sure, unsure = UNSURE + 0.1, UNSURE - 0.1
-    # confident draft everywhere: kept, although the lookup disagrees
-    assert merge([1, 2, 3], [sure] * 3, [1, 5, 6]) == ([1, 2, 3], [sure] * 3, None)
-    # slot 1 unsure and different: the lookup takes over from there, its slots count as likely
-    tokens, conf, start = merge([1, 2, 3, 4], [sure, unsure, 0.3, 0.2], [1, 5, 6, 7])
-    assert (tokens, start) == ([1, 5, 6, 7], 1)
+    ctx = [7, 8, 5, 6, 9, 0, 7, 8]  # [7, 8] was followed by 5, 6, 9 (a 2-token match)
+    # confident draft everywhere: kept, although the lookup disagrees at slot 2
+    assert merge([5, 2, 3], [sure] * 3, ctx) == ([5, 2, 3], [sure] * 3, None)
+    # slot 2 unsure and different: the lookup takes over from there, its slots count as likely
+    tokens, conf, start = merge([5, 2, 3, 4], [sure, unsure, 0.3, 0.2], ctx)
+    assert (tokens, start) == ([5, 6, 9, 0], 1)
     assert conf[:1] == [sure] and all(c >= LOOKUP_CONFIDENCE for c in conf[1:])
     # unsure but agreeing: nothing to switch to at that slot; a later disagreement switches
-    assert merge([1, 2, 3], [unsure, unsure, unsure], [1, 2, 8])[::2] == ([1, 2, 8], 2)
-    # the lookup disagreed earlier (at a confident slot): it is no continuation of the draft's
-    assert merge([1, 2, 3], [sure, unsure, unsure], [4, 5, 6])[2] is None
-    # a short lookup shortens the block; an empty one changes nothing
-    assert merge([1, 2, 3, 4], [unsure] * 4, [9])[::2] == ([9], 0)
-    assert merge([1, 2], [unsure] * 2, [])[2] is None
+    assert merge([5, 6, 3], [unsure] * 3, ctx)[::2] == ([5, 6, 9], 2)
+    # the lookup continues the draft's own slots: after a sure 5 that the context's [3, 4]
+    # never preceded, [4, 5] was followed by 6
+    ctx2 = [4, 5, 6, 1, 3, 4, 9, 9, 0, 3, 4]
+    assert merge([5, 2, 7], [sure, unsure, unsure], ctx2)[::2] == ([5, 6, 1], 1)
+    # copying (the match shares COPYING tokens) overrides even a sure slot; one fewer does not
+    text = list(range(10, 20))
+    assert merge([51, 52], [sure, sure], text + [50] + text[2:])[::2] == ([50, 12], 0)
+    assert merge([51, 52], [sure, sure], text + [50] + text[3:])[2] is None
+    # a short lookup shortens the block; no match changes nothing
+    assert merge([1, 2, 3, 4], [unsure] * 4, [1, 2, 9, 1, 2])[::2] == ([9, 1, 2], 0)
+    assert merge([1, 2], [unsure] * 2, [1, 2, 3])[2] is None
     assert Hint([9], start=1).flags(3) == [False, True, True]
     assert Hint([9]).flags(2) == [False, False]
 
