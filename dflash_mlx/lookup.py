@@ -33,7 +33,7 @@ WINDOW = 8192
 # A match this long means the answer is copying earlier text: the lookup then overrides even a
 # sure draft slot. Replayed at the 0.1 cut (items 9-16 of the bundled sets, 128 tokens; items
 # 3-7, 64 tokens): one lookup for the block τ 2.27, 2.10; chained per slot 2.30, 2.12; with
-# this override 2.31, 2.15. MATCH_CAP bounds the backward comparison.
+# this override 2.31, 2.14. MATCH_CAP bounds the backward comparison.
 COPYING = 8
 MATCH_CAP = 64
 
