@@ -9,6 +9,9 @@ from dflash_mlx.bench import check_parity
 from dflash_mlx.chat import apply_template
 from dflash_mlx.registry import default_pair
 from dflash_mlx.stats import Stats
+from test_tui import SIZE, app_for, last_answer, send
+from tui.settings import ChatSettings
+from tui.turn import LOOKUP, TARGET
 
 pytestmark = pytest.mark.demo
 
@@ -94,3 +97,18 @@ def test_cut_replay_equals_a_real_run(pair):
             cut_somewhere |= any(ev.trimmed for ev in events)
             looked_up |= any(any(ev.lookup_flags) for ev in events)
     assert cut_somewhere and looked_up
+
+
+@pytest.mark.asyncio
+async def test_chat_tints_the_lookup_tokens(pair, tmp_path, monkeypatch):
+    """End to end in the chat app: on a code prompt the context lookup fills slots that the
+    target accepts, and the answer's characters from them carry the lookup's tint label, beside
+    accepted draft tokens and the target's own."""
+    monkeypatch.setenv("DFLASH_MLX_DATA", str(tmp_path))  # the transcript stays in the test
+    app = app_for(pair, settings=ChatSettings(max_tokens=64, seed=0))
+    async with app.run_test(size=SIZE) as pilot:
+        # its answer repeats `add(` and the arguments: 12 of 19 lookup slots accepted here
+        await send(pilot, "Write a Python function add(a, b) that returns a + b, "
+                          "then show three example calls of add.")
+        labels = set(last_answer(app).answer.labels)
+    assert LOOKUP in labels and TARGET in labels and labels & {1, 2, 3, 4}, labels
