@@ -91,7 +91,8 @@ def serve(
     prepare.check_sampling(max_tokens, temp, top_p, top_k, None)
     (requested,) = [1] if no_draft else prepare.parse_block_sizes(block_size, allow_list=False)
     server_cli.serve(registry.resolve(model, draft, no_draft), requested, draft_bits=draft_bits,
-                     weights=weights, min_confidence=min_confidence, lookup=lookup, host=host, port=port, api_key=api_key,
+                     weights=weights, min_confidence=min_confidence, lookup=lookup, host=host,
+                     port=port, api_key=api_key,
                      model_name=served_model_name, queue_size=queue_size, log_level=log_level,
                      defaults={"max_tokens": max_tokens, "temperature": temp, "top_p": top_p,
                                "top_k": top_k})

@@ -19,7 +19,7 @@ from typing import Iterator
 import mlx.core as mx
 
 from .errors import InvalidArgumentError
-from .lookup import WINDOW, Hint
+from .lookup import Hint
 from .verify import SamplingParams, greedy_accept, rejection_sample, sampling_probs
 
 PREFILL_STEP = 512
@@ -264,7 +264,7 @@ def stream_generate(
             if not params.greedy:  # DFlash 2's selector samples its path (v1 ignores both)
                 key, dkey = mx.random.split(key)
             if lookup:
-                hint = Hint(session.tokens[-WINDOW:])
+                hint = Hint(session.tokens)  # read at once by propose; merge windows it
             try:
                 tokens, q = pair.draft.propose(
                     block, session.pending, session.draft_cache, params=params, key=dkey,

@@ -233,7 +233,7 @@ def bench_table(rows: list[dict], title: str) -> Table:
         rates = " ".join(f"{x:.0%}" for x in r["acceptance_rates"]) or "-"
         match = "n/a" if r["greedy_match"] is None else f"{r['greedy_match']:.0%}"
         t.add_row(r["dataset"], str(r["block_size"]), str(r["samples"]), f"{r['speedup']:.2f}×",
-                  f"{r['tau']:.2f}", rates, f"{r.get('lookup_share', 0):.0%}", f"{r['ar_tps']:.1f}",
+                  f"{r['tau']:.2f}", rates, f"{r['lookup_share']:.0%}", f"{r['ar_tps']:.1f}",
                   f"{r['dflash_tps']:.1f}", match)
     return t
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from dflash_mlx import stream_generate, tiny
+from dflash_mlx.decode import BlockEvent
 from dflash_mlx.draft import DFlashDraftModel
 from dflash_mlx.lookup import LOOKUP_CONFIDENCE, MATCH_CAP, UNSURE, Hint, find, merge
 from dflash_mlx.render import stats_lines
@@ -23,6 +24,8 @@ from dflash_mlx.stats import Stats
 from dflash_mlx.verify import SamplingParams
 from engine_support import float32_pair, mlx_lm_greedy
 from test_sampling import chi_square, target_rows
+from tui.turn import LOOKUP, TARGET, token_labels
+from tui.widgets.provenance import label_class
 
 
 def continuation(ctx, k):
@@ -177,3 +180,14 @@ def test_stats_and_summary_count_lookup_slots(pair):
                                                          stats.lookup_accepted)
     line = next(x for x in stats_lines(stats, 0.1, 5) if x.startswith("Context lookup"))
     assert f"{stats.lookup_accepted} of {stats.lookup_slots}" in line
+
+
+def test_chat_labels_accepted_lookup_slots():
+    """The chat tints a token by where it came from: LOOKUP for an accepted lookup slot."""
+    e = BlockEvent(tokens=[1, 2, 3, 4], text="abcd", drafted=[1, 2, 3, 5], accepted=3,
+                   accept_flags=[True, True, True, False], draft_s=0.01, verify_s=0.02,
+                   block_size=5, prompt_tokens=7, reused_tokens=0, prompt_s=0.1,
+                   generation_tokens=4, lookup_flags=[False, True, True, True])
+    # slot 4 was filled by the lookup but rejected: the target's own token stands there
+    assert token_labels(e) == [1, LOOKUP, LOOKUP, TARGET]
+    assert label_class(LOOKUP) == "prov-l" and label_class(TARGET) == "prov-t"

@@ -19,12 +19,12 @@ from tui.app import ChatApp
 from tui.errors import describe_error
 from tui.scripted import ScriptedConversation
 from tui.settings import ChatSettings
-from tui.turn import LOOKUP, TARGET, ThinkSplitter, Turn, char_labels, sanitize, token_labels
+from tui.turn import TARGET, ThinkSplitter, Turn, char_labels, sanitize, token_labels
 from tui.widgets.loading import LoadingView
 from tui.widgets.messages import AssistantMessage, UserMessage
 from tui.widgets.panel import SpeculationPanel, bar, block_glyphs
 from tui.widgets.prompt import PromptInput
-from tui.widgets.provenance import align_spans, label_class
+from tui.widgets.provenance import align_spans
 
 SIZE = (110, 36)
 
@@ -91,13 +91,6 @@ def test_token_labels_mark_draft_positions_and_target():
     assert token_labels(ev([1, 2, 3, 4], "abcd", 3)) == [1, 2, 3, TARGET]
     assert token_labels(ev([9], "x", 0)) == [TARGET]
     assert token_labels(ev([5], "y", 0, block=1)) == [TARGET]
-
-
-def test_token_labels_mark_accepted_lookup_slots():
-    e = ev([1, 2, 3, 4], "abcd", 3)
-    e.lookup_flags = [False, True, True, True]  # slot 4 filled by the lookup but rejected
-    assert token_labels(e) == [1, LOOKUP, LOOKUP, TARGET]
-    assert label_class(LOOKUP) == "prov-l" and label_class(TARGET) == "prov-t"
 
 
 def test_char_labels_exact_and_split_utf8():

@@ -30,7 +30,7 @@ def registry_loader(settings: ChatSettings, *, model: str | None = None,
         spec = registry.resolve(model, draft, no_draft)
         registry.reasoning_kwargs(spec.entry, settings.reasoning)  # checks the level
         pair, loaded = prepare.open_pair(spec, draft_bits, weights, progress, min_confidence,
-                                              lookup)
+                                         lookup)
         settings.block_size = prepare.choose_block(pair, loaded, block_size, progress)
         entry = spec.entry
         if entry is not None and entry.reasoning_kwarg:
