@@ -34,9 +34,10 @@ def heldout_tau(draft, batches: list, block_size: int) -> tuple[float, list[floa
     """
     lengths, hits = [], np.zeros(block_size - 1)
     for blocks, ctx, seq_of, anchors, labels in batches:
-        blocks, labels = blocks[:, :block_size], labels[:, : block_size - 1]
+        labels = labels[:, : block_size - 1]
+        # full-width blocks, as the engine drafts them (DFlashDraftModel.full_block)
         h = packed_hidden(draft, blocks, ctx, seq_of, anchors)
-        ok = np.array(draft.greedy_tokens(h[:, 1:]) == labels)
+        ok = np.array(draft.greedy_tokens(h[:, 1:block_size]) == labels)
         run = np.cumprod(ok, axis=1)
         lengths.extend(1 + run.sum(axis=1))
         hits += ok.sum(axis=0)
@@ -57,11 +58,12 @@ def walk_runs(draft, tokens: np.ndarray, preds: np.ndarray, taps: np.ndarray, st
     if last < start:
         return []
     anchors = np.arange(start, last + 1)
-    blocks = np.full((len(anchors), block_size), draft.config.mask_token_id, dtype=np.int32)
+    width = max(block_size, draft.config.block_size)  # drafted at full width, as the engine does
+    blocks = np.full((len(anchors), width), draft.config.mask_token_id, dtype=np.int32)
     blocks[:, 0] = tokens[anchors]
     h = packed_hidden(draft, mx.array(blocks), mx.array(taps[None]), mx.zeros(len(anchors), mx.int32),
                       mx.array(anchors.astype(np.int32)))
-    guess = np.array(draft.greedy_tokens(h[:, 1:]))
+    guess = np.array(draft.greedy_tokens(h[:, 1:block_size]))
     ok = guess == block_labels(tokens, preds, anchors, block_size - 1)  # -1: never a guess
     run = np.cumprod(ok, axis=1).sum(axis=1)
     runs, i = [], 0
