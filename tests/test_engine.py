@@ -221,6 +221,30 @@ def test_quantized_draft_and_weight_policies(tiny_dirs):
     assert tq.tolist() == tf.tolist()
 
 
+def test_narrow_blocks_are_drafted_at_the_trained_width(tiny_dirs, monkeypatch):
+    """A block narrower than the draft's trained one is padded with MASK for the forward (every
+    slot attends to the whole block, and training only showed full-width blocks); the proposal
+    keeps the leading slots."""
+    draft = load(*tiny_dirs, weights="float32").draft
+    width = draft.config.block_size
+    assert width > 3
+    narrow = mx.array([[5, tiny.MASK_ID, tiny.MASK_ID]])
+    padded = draft.full_block(narrow)
+    assert padded.tolist() == [[5] + [tiny.MASK_ID] * (width - 1)]
+    assert draft.full_block(padded) is padded
+    ctx = mx.random.normal((1, 6, 64 * len(draft.config.target_layer_ids)), key=mx.random.key(2))
+    seen, forward = [], type(draft).__call__
+    monkeypatch.setattr(type(draft), "__call__",
+                        lambda self, ids, *a: seen.append(ids.tolist()) or forward(self, ids, *a))
+    tokens, _ = draft.propose(narrow, ctx, draft.make_cache())
+    assert seen == [padded.tolist()] and tokens.shape == (2,)
+    monkeypatch.undo()
+    wide = draft(padded, ctx, draft.make_cache())[:, 1:3]
+    assert tokens.tolist() == draft.greedy_tokens(wide)[0].tolist()
+    # the padding is what changes them: the narrow forward's slots differ
+    assert not mx.allclose(draft(narrow, ctx, draft.make_cache())[:, 1:3], wide, atol=1e-4)
+
+
 def test_block_size_above_trained_is_rejected(tiny_dirs):
     from dflash_mlx.errors import InvalidArgumentError
 
