@@ -284,7 +284,7 @@ class DFlashDraftModel(nn.Module):
     ) -> tuple[mx.array, mx.array | None]:
         """Draft tokens for slots 1..L-1 and their proposal distribution (None = one-hot).
 
-        The block is drafted at the trained width (`full_block`) and cut back to L-1 slots.
+        The block is drafted at the trained width (`slot_hidden`) and cut back to L-1 slots.
 
         v1 drafts propose the per-slot argmax: the slots are independent marginals, so
         sampling them would give an incoherent block; a one-hot q keeps the sampler exact.
@@ -300,7 +300,7 @@ class DFlashDraftModel(nn.Module):
         `lookup` (see `lookup.py`) carries the context, where continuations of the block found
         earlier may take over its unsure slots; `lookup.start` records where one did.
         """
-        hidden = self(self.full_block(block_ids), context, cache)[:, 1: block_ids.shape[1]]
+        hidden = self.slot_hidden(block_ids, context, cache)
         if min_confidence <= 0 and lookup is None:
             return self.greedy_tokens(hidden)[0], None
         ids, confidence = self.tokens_and_confidence(hidden[0])
@@ -309,6 +309,11 @@ class DFlashDraftModel(nn.Module):
             ids, confidence, lookup.start = merge(ids, confidence, lookup.context)
         keep = joint_keep(confidence, min_confidence) if min_confidence > 0 else len(ids)
         return mx.array(ids[:keep], dtype=mx.int32), None
+
+    def slot_hidden(self, block_ids: mx.array, context: mx.array | None,
+                    cache: list[ContextCache]) -> mx.array:
+        """Hidden states of slots 1..L-1 of `block_ids`, drafted at the trained width."""
+        return self(self.full_block(block_ids), context, cache)[:, 1: block_ids.shape[1]]
 
     def full_block(self, block_ids: mx.array) -> mx.array:
         """`block_ids` padded with MASK to the trained block size.

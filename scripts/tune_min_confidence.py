@@ -52,7 +52,7 @@ def record(pair, ids: list[int], block: int, max_tokens: int) -> dict:
     draft, rows = pair.draft, []
     for pos in range(len(ids) - 1, len(seq) - 1):  # a round whose last committed token is seq[pos]
         blk = mx.array([[seq[pos]] + [draft.config.mask_token_id] * (block - 1)])
-        hidden = draft(draft.full_block(blk), taps[:, :pos], draft.make_cache())[0, 1:block]
+        hidden = draft.slot_hidden(blk, taps[:, :pos], draft.make_cache())[0]
         proposed, conf = draft.tokens_and_confidence(hidden)
         rows.append((proposed.tolist(), conf.tolist()))
     return {"seq": seq, "start": len(ids) - 1, "rows": rows}
