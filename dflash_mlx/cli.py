@@ -36,7 +36,7 @@ def generate(
     draft: DraftOpt = None,
     no_draft: NoDraftOpt = False,
     block_size: BlockSizeOpt = DEFAULT_BLOCK_SIZE,
-    draft_bits: DraftBitsOpt = 4,
+    draft_bits: DraftBitsOpt = None,
     weights: WeightsOpt = "auto",
     min_confidence: MinConfidenceOpt = None,
     lookup: LookupOpt = True,
@@ -171,7 +171,7 @@ def doctor(
     model: ModelOpt = None,
     draft: DraftOpt = None,
     no_draft: NoDraftOpt = False,
-    draft_bits: DraftBitsOpt = 4,
+    draft_bits: DraftBitsOpt = None,
     weights: WeightsOpt = "auto",
     shape: Annotated[str, typer.Option(
         help="Without --model: the built-in random shape to measure (smollm2-135m, the demo "
@@ -240,7 +240,7 @@ def doctor(
 def benchmark(
     model: ModelOpt = None,
     draft: DraftOpt = None,
-    draft_bits: DraftBitsOpt = 4,
+    draft_bits: DraftBitsOpt = None,
     weights: WeightsOpt = "auto",
     min_confidence: MinConfidenceOpt = None,
     lookup: LookupOpt = True,

@@ -57,8 +57,10 @@ DraftOpt = Annotated[Optional[str], typer.Option(
 NoDraftOpt = Annotated[bool, typer.Option(
     "--no-draft", help="Plain autoregressive decoding through the same target code.",
     rich_help_panel=M)]
-DraftBitsOpt = Annotated[int, typer.Option(
-    help="Quantize the draft at load to 4 or 8 bits (group 64); 16 keeps it.", rich_help_panel=M)]
+DraftBitsOpt = Annotated[Optional[int], typer.Option(
+    "--draft-bits", help="Quantize the draft at load to 4 or 8 bits (group 64); 16 keeps it. "
+    "Default: 4 where the target stays quantized (a GPU), 16 where it runs dense (the CPU's "
+    "float32), which dequantizes the draft anyway.", show_default=False, rich_help_panel=M)]
 WeightsOpt = Annotated[str, typer.Option(
     help="auto | quantized | float32 | bfloat16. auto: float32 on the CPU device (so wider "
     "verify pays), as loaded on a GPU.", rich_help_panel=M)]

@@ -58,10 +58,11 @@ def check_sampling(max_tokens: int, temp: float, top_p: float, top_k: int,
             "seed": seed}
 
 
-def check_load_options(draft_bits: int, weights: str, min_confidence: float | None = None) -> None:
+def check_load_options(draft_bits: int | None, weights: str,
+                       min_confidence: float | None = None) -> None:
     from .load import DRAFT_BITS, WEIGHT_POLICIES
 
-    if draft_bits not in DRAFT_BITS:
+    if draft_bits is not None and draft_bits not in DRAFT_BITS:
         raise InvalidArgumentError(f"--draft-bits must be 4, 8 or 16 (16 keeps the draft as is), "
                                    f"got {draft_bits}")
     if weights not in WEIGHT_POLICIES:
@@ -118,7 +119,7 @@ def read_prompt(positional: str | None, option: str | None) -> str:
     return text
 
 
-def open_pair(spec: registry.Spec, draft_bits: int, weights: str, say: Say = None,
+def open_pair(spec: registry.Spec, draft_bits: int | None, weights: str, say: Say = None,
               min_confidence: float | None = None, lookup: bool = True):
     """Download what `spec` names (narrow patterns, progress bars) and load it.
 
@@ -143,7 +144,7 @@ def open_pair(spec: registry.Spec, draft_bits: int, weights: str, say: Say = Non
         spec, t_path, d_path,
         spec.target_revision or registry.snapshot_revision(t_path),
         None if d_path is None else spec.draft_revision or registry.snapshot_revision(d_path),
-        draft_bits if d_path is not None else 16, pair.weights,
+        pair.draft_bits if d_path is not None else 16, pair.weights,
     )
     return pair, loaded
 

@@ -98,7 +98,7 @@ def benchmark(base_url: str, api_key: str | None, model: str | None, dataset: st
         render.note(f"card written to {out}")
 
 
-def serve(spec, requested, *, draft_bits: int, weights: str, min_confidence: float | None,
+def serve(spec, requested, *, draft_bits: int | None, weights: str, min_confidence: float | None,
           lookup: bool, host: str, port: int,
           api_key: str | None, model_name: str | None, queue_size: int, log_level: str,
           defaults: dict) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -219,6 +220,19 @@ def test_quantized_draft_and_weight_policies(tiny_dirs):
     tq, _ = q.draft.propose(block, ctx, q.draft.make_cache())
     tf, _ = f.draft.propose(block, ctx, f.draft.make_cache())
     assert tq.tolist() == tf.tolist()
+
+
+def test_draft_bits_follow_the_weights_policy(tiny_dirs):
+    """Unset, the draft is 4-bit while the target stays quantized, and kept as trained when a
+    dense policy dequantizes both (a 4-bit rounding there would only cost accuracy)."""
+    t, d = tiny_dirs
+    q, f = load(t, d, weights="quantized"), load(t, d, weights="float32")
+    assert (q.draft_bits, f.draft_bits) == (4, 16)
+    assert isinstance(q.draft.layers[0].mlp.gate_proj, nn.QuantizedLinear)
+    trained = load_draft(d, 16).layers[0].mlp.gate_proj.weight.astype(mx.float32)
+    rounded = load(t, d, weights="float32", draft_bits=4).draft.layers[0].mlp.gate_proj.weight
+    assert mx.array_equal(f.draft.layers[0].mlp.gate_proj.weight, trained)
+    assert not mx.allclose(rounded, trained)
 
 
 def test_narrow_blocks_are_drafted_at_the_trained_width(tiny_dirs, monkeypatch):

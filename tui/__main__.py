@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reasoning", help="off/on or a level, when the model supports it")
     p.add_argument("--system-prompt")
     p.add_argument("--resume", action="store_true", help="reopen the last chat")
-    p.add_argument("--draft-bits", type=int, default=4, choices=(4, 8, 16))
+    p.add_argument("--draft-bits", type=int, default=None, choices=(4, 8, 16))
     p.add_argument("--weights", default="auto",
                    choices=("auto", "quantized", "float32", "bfloat16"))
     p.add_argument("--min-confidence", type=float,

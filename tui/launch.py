@@ -13,7 +13,7 @@ from .settings import ChatSettings
 
 
 def registry_loader(settings: ChatSettings, *, model: str | None = None,
-                    draft: str | None = None, no_draft: bool = False, draft_bits: int = 4,
+                    draft: str | None = None, no_draft: bool = False, draft_bits: int | None = None,
                     weights: str = "auto", block_size: int | str = 5,
                     min_confidence: float | None = None, lookup: bool = True) -> Callable:
     """A loader for the app's worker; it also settles block size and reasoning in `settings`.
