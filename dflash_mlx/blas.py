@@ -61,6 +61,11 @@ def autoload() -> bool:
     if "mlx.core" in sys.modules:
         _state["reason"] = "mlx was imported before dflash_mlx; preload had no effect"
         return False
+    # Idle OpenBLAS threads spin in sched_yield for ~0.1 s after every call; with a matmul per
+    # layer that is a core's worth of system time the Python and MLX threads need on a small
+    # machine (2 cores, a one-minute decoding run: 21-22 s of system time, 7 s with this).
+    # Read when the library loads; a value the user set wins.
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
     try:
         for name in GFORTRAN:  # OpenBLAS needs libgfortran; the system one, not numpy's copy
             try:

@@ -77,6 +77,22 @@ def test_openblas_is_active_when_installed():
     assert blas.status()["active"] == "OpenBLAS"
 
 
+@pytest.mark.skipif(not blas.OPENBLAS.exists(), reason="Debian OpenBLAS not installed")
+@pytest.mark.parametrize("user, seen", [(None, "4"), ("12", "12")])
+def test_openblas_threads_sleep_when_idle_unless_the_user_says(user, seen):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", blas.ENV)}
+    if user is not None:
+        env["OPENBLAS_THREAD_TIMEOUT"] = user
+    code = "import os, dflash_mlx; print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == seen
+
+
 def test_doctor_command(isolated_cache):
     r = runner.invoke(app, ["doctor", "--shape", "tiny", "--repeats", "1", "--context", "32"])
     assert r.exit_code == 0, r.output
