@@ -135,7 +135,8 @@ def test_benchmark_command_writes_a_card(tiny, isolated_cache, tmp_path):
     assert {"machine", "versions", "models", "settings", "datasets", "results", "samples"} <= set(card)
     assert card["machine"]["blas"] and card["versions"]["mlx"]
     assert card["models"]["target"]["id"] == str(tiny.oracle_target)
-    assert card["models"]["draft"]["bits"] == 4 and card["models"]["weights"] == "float32"
+    # float32 dequantizes the draft too, so it keeps its trained weights (auto_draft_bits)
+    assert card["models"]["draft"]["bits"] == 16 and card["models"]["weights"] == "float32"
     s = card["settings"]
     assert (s["block_sizes"], s["repeats"], s["max_tokens"], s["temperature"]) == ([2, 4], 2, 8, 0.0)
     assert s["min_confidence"] == 0.0

@@ -143,7 +143,7 @@ def test_events_jsonl_schema(tiny, tmp_path):
     assert summary["versions"]["mlx"] and summary["versions"]["dflash-mlx"]
     assert summary["target"] == {"id": str(tiny.target), "revision": None,
                                  "path": str(tiny.target.resolve())}
-    assert summary["draft"]["bits"] == 4 and summary["block_size"] == 3
+    assert summary["draft"]["bits"] == 16 and summary["block_size"] == 3  # dense on the CPU
     assert summary["sampling"] == {"max_tokens": 10, "temperature": 0.0, "top_p": 1.0,
                                    "top_k": 0, "seed": 7}
     assert summary["stats"]["generation_tokens"] == 10

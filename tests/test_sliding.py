@@ -95,7 +95,9 @@ def test_dropping_old_rows_never_changes_the_output(tmp_path, dflash2):
         block = mx.array([[int(rng.integers(0, 256))] + [tiny.MASK_ID] * 4])
         a = model(block, ctx, bounded)
         b = model(block, ctx, unbounded)
-        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-5)
+        # float32 sums over a different number of keys round differently with the CPU's BLAS
+        # kernels (1.2e-5 seen on an AMD machine); a wrong window is off by ~1e-1
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-4)
         for cb, cu in zip(bounded, unbounded):
             assert cb.offset == cu.offset and cb.size() == min(cu.size(), W - 1)
             # temporal order: the kept rows are exactly the newest rows
