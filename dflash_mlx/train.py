@@ -48,6 +48,9 @@ class TrainConfig:
     # >0: train through the restricted proposal head (the `head_vocab` ids most often
     # predicted in the training data), the head the draft uses at inference
     head_vocab: int = 0
+    # the proposal ids to train through instead of choosing them from the data: a fine-tune on
+    # a small new set keeps the head its starting draft was trained with
+    head_ids: list[int] | None = None
     # >0: weight of the soft-label term, cross-entropy against the target's whole distribution
     # rebuilt from the deepest tap (train_soft.py); the rest stays on the argmax labels
     soft_labels: float = 0.0
@@ -209,18 +212,25 @@ def block_loss(draft, blocks, ctx, seq_of, anchors, labels, weights,
     return (ce * weights * (labels >= 0)).sum() / (weights.sum() * ce.shape[0])
 
 
-def restrict_for_training(draft, shards: list[FeatureShard], size: int, out_dir: Path) -> mx.array:
-    """Restrict the draft's head to the `size` most frequent training predictions.
+def restrict_for_training(draft, shards: list[FeatureShard], size: int, out_dir: Path,
+                          ids: list[int] | None = None) -> mx.array:
+    """Restrict the draft's head to `ids`, else to the `size` most frequent training predictions.
 
     Writes draft_vocab.json next to the checkpoint (inference must use the same ids) and
     returns the map from full-vocabulary label ids to head rows (-1: not proposable).
     """
     from . import draft_vocab
 
-    ids, coverage = draft_vocab.most_frequent((s.preds for s in shards), size,
-                                              vocab_size=draft.config.vocab_size)
+    if ids is None:
+        ids, coverage = draft_vocab.most_frequent((s.preds for s in shards), size,
+                                                  vocab_size=draft.config.vocab_size)
+        source = f"top {size} target predictions of the training data"
+    else:
+        ids = sorted(set(ids))
+        _, coverage = draft_vocab.most_frequent((s.preds for s in shards), 0, always=ids)
+        source = "the starting draft's head, kept"
     out_dir.mkdir(parents=True, exist_ok=True)
-    draft_vocab.save(out_dir, ids, coverage, f"top {size} target predictions of the training data")
+    draft_vocab.save(out_dir, ids, coverage, source)
     draft.restrict_head(ids)
     rows = np.full(draft.config.vocab_size, -1, dtype=np.int32)
     rows[ids] = np.arange(len(ids), dtype=np.int32)
@@ -271,8 +281,8 @@ def train(draft: DFlashDraftModel, train_shards: list[FeatureShard],
     weights = position_weights(B, cfg.decay)
     out_dir = Path(out_dir)
     rows = None
-    if cfg.head_vocab:
-        rows = restrict_for_training(draft, train_shards, cfg.head_vocab, out_dir)
+    if cfg.head_vocab or cfg.head_ids:
+        rows = restrict_for_training(draft, train_shards, cfg.head_vocab, out_dir, cfg.head_ids)
     agreement = None
     if cfg.soft_labels > 0:
         from .train_soft import soft_targets, tail_agreement

@@ -19,6 +19,7 @@ from pathlib import Path
 import dflash_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx)
 import mlx.core as mx
 
+from dflash_mlx import draft_vocab
 from dflash_mlx.demo import load_demo_feature_target
 from dflash_mlx.load import check_pair, load_draft
 from dflash_mlx.train import TrainConfig, train
@@ -66,6 +67,9 @@ def main():
     ap.add_argument("--lr", type=float, default=4e-4)
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--keep-head", action="store_true",
+                    help="train through --init's own draft_vocab.json instead of re-choosing "
+                         "the head on the new data (a small fine-tuning set)")
     args = ap.parse_args()
 
     log(f"mlx {mx.__version__} on {mx.default_device()}")
@@ -84,10 +88,13 @@ def main():
     log(f"training on {sum(len(s.tokens) for s in shards)} tokens, "
         f"{sum(len(h.tokens) for h in held)} held out")
 
+    head_ids = draft_vocab.read(args.init) if args.keep_head else None
+    if args.keep_head and head_ids is None:
+        sys.exit(f"error: --keep-head: {args.init} has no draft_vocab.json")
     tc = TrainConfig(steps=args.steps or 100_000, minutes=0 if args.steps else args.train_minutes,
                      lr=args.lr, warmup=args.warmup,
                      seqs_per_step=args.seqs, anchors_per_seq=args.anchors, head_vocab=8192,
-                     eval_every=args.eval_every, checkpoint_every=args.eval_every,
+                     head_ids=head_ids, eval_every=args.eval_every, checkpoint_every=args.eval_every,
                      eval_blocks=4096, seed=args.seed)
     # the trainer's own held-out blocks, scored before any step: the start's τ
     tau0, _ = heldout_tau(draft, heldout_batches(held, draft.config, tc), tc.eval_block_size)

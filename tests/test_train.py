@@ -225,6 +225,25 @@ def test_restricted_loss_trains_the_head_used_at_inference(trained):
     assert some.item() > 0.0
 
 
+def test_fine_tuning_can_keep_the_head_it_started_with(trained):
+    """`head_ids`: the trainer goes through exactly the given proposal ids (a fine-tune on a
+    small set keeps its starting draft's head) instead of the data's most frequent ones."""
+    from dflash_mlx import draft_vocab
+    from dflash_mlx.draft_vocab import most_frequent
+
+    t = trained
+    chosen, _ = most_frequent((s.preds for s in t["shards"]), 160)
+    # the 80 most frequent predictions, then 80 ids the data rarely or never predicts
+    kept = sorted(set(chosen[:80]) | set(range(t["cfg"].vocab_size - 80, t["cfg"].vocab_size)))
+    assert kept != sorted(chosen)
+    draft = DFlashDraftModel(t["cfg"]).bind(t["pair"].target)
+    tc = TrainConfig(steps=2, lr=1e-3, warmup=1, eval_every=2, checkpoint_every=2,
+                     anchors_per_seq=4, head_vocab=160, head_ids=kept)
+    list(train(draft, t["shards"], t["held"], t["root"] / "kept", tc))
+    assert draft_vocab.read(t["root"] / "kept") == kept
+    assert draft._borrowed.head_ids.tolist() == kept
+
+
 def _shard(first: int, lengths: list[int]):
     import numpy as np
 

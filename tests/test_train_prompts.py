@@ -65,3 +65,47 @@ def test_padded_batches_equal_one_prompt_at_a_time(tmp_path):
     assert np.array_equal(t.tokens, s.tokens)
     assert np.array_equal(t.preds, s.preds)
     np.testing.assert_allclose(t.taps.astype(np.float32), s.taps.astype(np.float32), atol=2e-2)
+
+
+def test_written_prompts_share_no_text_with_a_benchmark():
+    """The hand-written fine-tuning prompts (scripts/prompts) are new problems in the benchmark
+    families' formats: no 10-word run and no function name in common with a bundled item,
+    once the shared instruction lines are taken out."""
+    import json
+    from pathlib import Path
+
+    wrappers = ("Please reason step by step, and put your final answer within \\boxed{}.",
+                "Write a solution to the following problem and make sure that it passes the tests:",
+                "Your code should pass these tests:", "from typing import List, Tuple",
+                "from typing import List")
+
+    def runs(text, n=10):
+        for w in wrappers:
+            text = text.replace(w, " ")
+        words = re.findall(r"\w+", text.lower())
+        return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+    def names(text):
+        return set(re.findall(r"def (\w+)\(", text)) | set(re.findall(r"assert (\w+)\(", text))
+
+    bench_runs, bench_names = set(), set()
+    for name in DATASETS:
+        for turns in load_prompts(name)[1]:
+            for turn in turns:
+                bench_runs |= runs(turn)
+                bench_names |= names(turn)
+    folder = Path(__file__).parent.parent / "scripts" / "prompts"
+    seen, families = set(), {}
+    for path in sorted(folder.glob("written-*.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            prompt = row["prompt"]
+            assert prompt not in seen
+            seen.add(prompt)
+            families[row["family"]] = families.get(row["family"], 0) + 1
+            # one math problem states the polar-form convention "r > 0 and 0 <= theta < 2 pi"
+            shared = {r for r in runs(prompt) & bench_runs if "theta" not in r}
+            assert not shared, (path.name, prompt[:80], shared)
+            assert not names(prompt) & bench_names, (path.name, prompt[:80])
+    assert len(seen) == 1350
+    assert families == {f: 270 for f in ("gsm", "math", "humaneval", "mbpp", "chat")}
