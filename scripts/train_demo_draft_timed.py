@@ -71,6 +71,11 @@ def main():
                     help="train through --init's own draft_vocab.json instead of re-choosing "
                          "the head on the new data (a small fine-tuning set)")
     args = ap.parse_args()
+    # checked before the target loads, so a wrong --init costs nothing
+    head_ids = draft_vocab.read(args.init) if args.keep_head else None
+    if args.keep_head and head_ids is None:
+        print(f"error: --keep-head: {args.init} has no draft_vocab.json", file=sys.stderr)
+        raise SystemExit(2)
 
     log(f"mlx {mx.__version__} on {mx.default_device()}")
     target, tok = load_demo_feature_target()
@@ -88,9 +93,6 @@ def main():
     log(f"training on {sum(len(s.tokens) for s in shards)} tokens, "
         f"{sum(len(h.tokens) for h in held)} held out")
 
-    head_ids = draft_vocab.read(args.init) if args.keep_head else None
-    if args.keep_head and head_ids is None:
-        sys.exit(f"error: --keep-head: {args.init} has no draft_vocab.json")
     tc = TrainConfig(steps=args.steps or 100_000, minutes=0 if args.steps else args.train_minutes,
                      lr=args.lr, warmup=args.warmup,
                      seqs_per_step=args.seqs, anchors_per_seq=args.anchors, head_vocab=8192,
