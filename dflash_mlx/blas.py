@@ -1,12 +1,21 @@
-"""Use the system OpenBLAS for MLX's CPU matmuls on Linux, when it is installed.
+"""Use a real OpenBLAS for MLX's CPU matmuls on Linux, when one is installed.
 
 MLX's Linux wheel links a bundled reference BLAS (about 1.5 GFLOP/s, one thread). Loading
-Debian's OpenBLAS with RTLD_GLOBAL *before the first `import mlx`* makes the dynamic linker
-resolve MLX's `cblas_sgemm` to it: float32 matmuls get 25-90x faster. Loading it after mlx is
+an OpenBLAS with RTLD_GLOBAL *before the first `import mlx`* makes the dynamic linker resolve
+MLX's `cblas_sgemm` to it: float32 matmuls get 25-90x faster. Loading it after mlx is
 imported does nothing, so `dflash_mlx/__init__.py` calls `autoload()` first.
 
-`DFLASH_MLX_BLAS` chooses: unset or `auto` (OpenBLAS when present), `bundled` (never preload),
-or a path to another `libopenblas.so`. This module must not import mlx or the package.
+Two are tried, in order:
+- the OpenBLAS that pip installs with dflash-mlx on Linux x86_64 (the `ngsolve-openblas`
+  wheel: a recent release built for every x86_64 core, with unprefixed symbols). Decoding
+  multiplies a handful of token rows by each weight matrix, and recent OpenBLAS releases do that
+  with less copying than Debian 12's 0.3.21: a verify pass of 5 tokens costs ~20% less;
+- Debian's system OpenBLAS (`apt-get install libopenblas0-pthread`).
+Both need the system's libgfortran5 (which that apt package brings).
+
+`DFLASH_MLX_BLAS` chooses: unset or `auto` (the above, first that loads), `wheel` or `system`
+(only that one), `bundled` (never preload), or a path to another `libopenblas.so`. This module
+must not import mlx or the package.
 """
 
 from __future__ import annotations
@@ -15,11 +24,13 @@ import ctypes
 import os
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 ENV = "DFLASH_MLX_BLAS"
 OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
 OPENBLAS_AARCH64 = Path("/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0")
+WHEEL = "ngsolve-openblas"  # PyPI distribution shipping libopenblasp-r<version>.so
 GFORTRAN = ("libgfortran.so.5",)
 INSTALL_HINT = "apt-get install libopenblas0-pthread"
 SGEMM_SHAPE = (512, 1024, 3072)  # m, k, n: the shape of the design note's measurement
@@ -28,34 +39,67 @@ SGEMM_SHAPE = (512, 1024, 3072)  # m, k, n: the shape of the design note's measu
 _state: dict = {"requested": None, "loaded": None, "reason": "autoload() not called"}
 
 
-def candidate() -> Path | None:
-    """The OpenBLAS library autoload() would use, or None."""
-    choice = os.environ.get(ENV, "auto").strip()
-    if choice == "bundled" or not sys.platform.startswith("linux"):
+def wheel_library() -> Path | None:
+    """The OpenBLAS of the `ngsolve-openblas` wheel, if pip installed it (not loaded)."""
+    if not sys.platform.startswith("linux"):
         return None
-    if choice not in ("", "auto"):
-        return Path(choice)
-    return candidate_default()
+    try:
+        files = metadata.distribution(WHEEL).files or []
+    except metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if f.name.startswith("libopenblas") and ".so" in f.name:
+            path = Path(f.locate())
+            if path.exists():
+                return path
+    return None
 
 
-def candidate_default() -> Path | None:
-    """The system OpenBLAS, whatever DFLASH_MLX_BLAS says."""
+def system_library() -> Path | None:
+    """Debian's system OpenBLAS, if installed."""
     if not sys.platform.startswith("linux"):
         return None
     return next((p for p in (OPENBLAS, OPENBLAS_AARCH64) if p.exists()), None)
 
 
+def candidates() -> list[Path]:
+    """The libraries autoload() would try, in order, as `DFLASH_MLX_BLAS` says."""
+    choice = os.environ.get(ENV, "auto").strip()
+    if choice == "bundled" or not sys.platform.startswith("linux"):
+        return []
+    found = {"wheel": wheel_library, "system": system_library}
+    if choice in found:
+        return [p for p in (found[choice](),) if p]
+    if choice not in ("", "auto"):
+        return [Path(choice)]
+    return [p for p in (wheel_library(), system_library()) if p]
+
+
+def candidate() -> Path | None:
+    """The first library autoload() would try, or None."""
+    return next(iter(candidates()), None)
+
+
+def _load(path: Path) -> None:
+    for name in GFORTRAN:  # OpenBLAS needs libgfortran; the system one, not numpy's copy
+        try:
+            ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            pass
+    ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+
+
 def autoload() -> bool:
-    """Preload OpenBLAS globally if asked for and possible; return whether it is loaded."""
+    """Preload the first OpenBLAS that loads, if asked for and possible; return whether one is."""
     if _state["loaded"]:
         return True
-    path = candidate()
-    _state["requested"] = str(path) if path else None
-    if path is None:
+    paths = candidates()
+    _state["requested"] = str(paths[0]) if paths else None
+    if not paths:
         _state["reason"] = (
             f"{ENV}=bundled" if os.environ.get(ENV) == "bundled"
             else "not Linux" if not sys.platform.startswith("linux")
-            else f"OpenBLAS not installed ({INSTALL_HINT})"
+            else f"no OpenBLAS installed ({INSTALL_HINT})"
         )
         return False
     if "mlx.core" in sys.modules:
@@ -67,18 +111,28 @@ def autoload() -> bool:
     # decoding ran ~15% faster and DFlash ~7%).
     # Read when the library loads; a value the user set wins.
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
-    try:
-        for name in GFORTRAN:  # OpenBLAS needs libgfortran; the system one, not numpy's copy
-            try:
-                ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
-            except OSError:
-                pass
-        ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
-    except OSError as e:
-        _state["reason"] = f"cannot load {path}: {e}"
-        return False
-    _state.update(loaded=str(path), reason="preloaded")
-    return True
+    failed = []
+    for path in paths:
+        try:
+            _load(path)
+        except OSError as e:
+            failed.append(f"cannot load {path}: {e}")
+            continue
+        _state.update(loaded=str(path), reason="; ".join(failed + ["preloaded"]))
+        return True
+    _state["reason"] = "; ".join(failed)
+    return False
+
+
+def version() -> str | None:
+    """`openblas_get_config()` of the OpenBLAS serving MLX, e.g. 'OpenBLAS 0.3.33 … Haswell …'."""
+    if not sys.platform.startswith("linux"):
+        return None
+    fn = getattr(ctypes.CDLL(None), "openblas_get_config", None)
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_char_p
+    return fn().decode(errors="replace").strip()
 
 
 def _provider(symbol: str = "cblas_sgemm") -> str | None:
@@ -104,23 +158,60 @@ def _provider(symbol: str = "cblas_sgemm") -> str | None:
 def status() -> dict:
     """Which BLAS serves MLX's CPU matmuls, and why."""
     if sys.platform == "darwin":
-        return {"active": "Accelerate", "library": None, "reason": "macOS", "hint": None}
+        return {"active": "Accelerate", "library": None, "version": None, "reason": "macOS",
+                "hint": None}
     provider = _provider()
     if provider and "openblas" in provider.lower():
-        return {"active": "OpenBLAS", "library": provider, "reason": _state["reason"], "hint": None}
+        return {"active": "OpenBLAS", "library": provider, "version": version(),
+                "reason": _state["reason"], "hint": None}
     if os.environ.get(ENV) == "bundled":
-        hint = f"unset {ENV} to use OpenBLAS" if candidate_default() else None
+        hint = (f"unset {ENV} to use OpenBLAS"
+                if wheel_library() or system_library() else None)
     elif candidate() is None:
         hint = f"{INSTALL_HINT} makes float32 matmul about 25-90x faster"
     else:
         hint = _state["reason"]
-    return {"active": "bundled reference BLAS", "library": provider, "reason": _state["reason"],
-            "hint": hint}
+    return {"active": "bundled reference BLAS", "library": provider, "version": None,
+            "reason": _state["reason"], "hint": hint}
+
+
+def choices() -> list[str]:
+    """`DFLASH_MLX_BLAS` values worth comparing on this machine (doctor)."""
+    if not sys.platform.startswith("linux"):
+        return []
+    have = [name for name, found in (("wheel", wheel_library()), ("system", system_library()))
+            if found]
+    return have + ["bundled"]
+
+
+def active_choice() -> str | None:
+    """The `choices()` entry now serving MLX (None: a library given by path)."""
+    provider = _provider()
+    if not provider or "openblas" not in provider.lower():
+        return "bundled"
+    real = os.path.realpath(provider)
+    for name, found in (("wheel", wheel_library()), ("system", system_library())):
+        if found and os.path.realpath(found) == real:
+            return name
+    return None
+
+
+def _time_ms(a, b, repeats: int, warmup: bool) -> float:
+    import mlx.core as mx
+
+    if warmup:
+        mx.eval(a @ b)
+    times = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        mx.eval(a @ b)
+        times.append(time.perf_counter() - tic)
+    return sorted(times)[len(times) // 2] * 1e3
 
 
 def sgemm_ms(shape: tuple[int, int, int] = SGEMM_SHAPE, repeats: int = 3,
              warmup: bool = True) -> float:
-    """Best-of-`repeats` milliseconds for one float32 matmul on the CPU device."""
+    """Median milliseconds of one float32 (m, k) @ (k, n) matmul on the CPU device."""
     import mlx.core as mx
 
     m, k, n = shape
@@ -128,14 +219,12 @@ def sgemm_ms(shape: tuple[int, int, int] = SGEMM_SHAPE, repeats: int = 3,
         a = mx.random.normal((m, k))
         b = mx.random.normal((k, n))
         mx.eval(a, b)
-        if warmup:
-            mx.eval(a @ b)
-        best = float("inf")
-        for _ in range(repeats):
-            tic = time.perf_counter()
-            mx.eval(a @ b)
-            best = min(best, time.perf_counter() - tic)
-    return best * 1e3
+        return _time_ms(a, b, repeats, warmup)
+
+
+# A verify of 5 tokens through one MLP matrix of the demo target: decoding's matmuls are this
+# skinny, and BLAS releases differ far more on them than on a square sgemm.
+DECODE_SHAPE = (5, 576, 1536)
 
 
 def gflops(ms: float, shape: tuple[int, int, int] = SGEMM_SHAPE) -> float:
@@ -143,10 +232,11 @@ def gflops(ms: float, shape: tuple[int, int, int] = SGEMM_SHAPE) -> float:
     return 2 * m * k * n / (ms * 1e-3) / 1e9
 
 
-# Run in a child process (`python -c`) to time the *other* BLAS choice without importing the
-# package: load this file by path, apply DFLASH_MLX_BLAS, time one sgemm.
+# Run in a child process (`python -c`) to time another BLAS choice without importing the
+# package: load this file by path, apply DFLASH_MLX_BLAS, time the two matmuls.
 CHILD = (
     "import importlib.util as u, sys; s = u.spec_from_file_location('b', sys.argv[1]); "
-    "m = u.module_from_spec(s); s.loader.exec_module(m); m.autoload(); "
-    "print(m.sgemm_ms(repeats=1, warmup=False), m.status()['active'])"
+    "m = u.module_from_spec(s); s.loader.exec_module(m); m.autoload(); st = m.status(); "
+    "print(m.sgemm_ms(repeats=1, warmup=False), m.sgemm_ms(m.DECODE_SHAPE, repeats=101), "
+    "st['version'] or st['active'])"
 )

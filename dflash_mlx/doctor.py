@@ -131,6 +131,7 @@ def versions() -> dict:
 
 
 def machine() -> dict:
+    st = blas.status()
     return {
         "system": platform.system(),
         "release": platform.release(),
@@ -138,29 +139,33 @@ def machine() -> dict:
         "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "device": device(),
-        "blas": blas.status()["active"],
+        # the release matters: its kernels set what a verify costs against a step
+        "blas": st["version"] or st["active"],
         "load_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         **{k: round(v, 1) if isinstance(v, float) else v for k, v in memory_gb().items()},
     }
 
 
 def blas_report(compare: bool = True) -> dict:
-    """The active BLAS, one timed sgemm, and the same sgemm with the other choice (subprocess)."""
+    """The active BLAS, two timed matmuls, and the same with each other choice (subprocesses)."""
     st = blas.status()
     ms = blas.sgemm_ms()
-    out = {**st, "sgemm_ms": ms, "gflops": blas.gflops(ms), "shape": blas.SGEMM_SHAPE}
-    other = "bundled" if st["active"] == "OpenBLAS" else None
-    if other is None and sys.platform.startswith("linux") and blas.candidate_default():
-        other = str(blas.candidate_default())
-    if compare and other:
-        env = {**os.environ, blas.ENV: other}
+    out = {**st, "sgemm_ms": ms, "gflops": blas.gflops(ms), "shape": blas.SGEMM_SHAPE,
+           "decode_ms": blas.sgemm_ms(blas.DECODE_SHAPE, repeats=101),
+           "decode_shape": blas.DECODE_SHAPE, "others": []}
+    active = blas.active_choice()
+    for choice in blas.choices() if compare else []:
+        if choice == active:
+            continue
+        env = {**os.environ, blas.ENV: choice}
         try:
             res = subprocess.run([sys.executable, "-c", blas.CHILD, blas.__file__], env=env,
                                  capture_output=True, text=True, timeout=120)
-            ms_other, name = res.stdout.split(maxsplit=1)
-            out["other"] = {"active": name.strip(), "sgemm_ms": float(ms_other)}
+            ms_other, decode_other, name = res.stdout.split(maxsplit=2)
+            out["others"].append({"choice": choice, "active": name.strip(),
+                                  "sgemm_ms": float(ms_other), "decode_ms": float(decode_other)})
         except (ValueError, subprocess.SubprocessError):
-            out["other"] = None
+            continue
     return out
 
 

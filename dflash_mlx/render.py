@@ -152,14 +152,16 @@ def machine(report: dict) -> None:
         f"MLX {v['mlx']} (mlx-lm {v['mlx-lm']}, dflash-mlx {v['dflash-mlx']}, Python {v['python']})",
         f"Device: {m['device']}; {m['cpu_count']} CPU cores; {m['system']} {m['arch']}",
         f"Memory: {m.get('available_gb')} GB free of {m.get('total_gb')} GB",
-        f"CPU BLAS: {b['active']}" + (f" ({b['library']})" if b.get("library") else "")
-        + f"; float32 sgemm {'x'.join(map(str, b['shape']))}: {b['sgemm_ms']:.1f} ms "
-        f"({b['gflops']:.1f} GFLOP/s)",
+        f"CPU BLAS: {b.get('version') or b['active']}"
+        + (f" ({b['library']})" if b.get("library") else ""),
+        f"  float32 matmuls: {_shape(b['shape'])} {b['sgemm_ms']:.1f} ms "
+        f"({b['gflops']:.1f} GFLOP/s); {_shape(b['decode_shape'])} (a verify of "
+        f"{b['decode_shape'][0]} tokens through one MLP matrix) {b['decode_ms'] * 1e3:.0f} µs",
     ]
-    other = b.get("other")
-    if other:
-        lines.append(f"  with {other['active']} instead: {other['sgemm_ms']:.1f} ms "
-                     f"({other['sgemm_ms'] / b['sgemm_ms']:.1f}× the time)")
+    for other in b.get("others", []):
+        lines.append(f"  {blas_env_hint(other['choice'])} ({other['active']}): "
+                     f"{other['sgemm_ms'] / b['sgemm_ms']:.1f}× and "
+                     f"{other['decode_ms'] / b['decode_ms']:.2f}× the time")
     if b.get("hint"):
         lines.append(f"  hint: {b['hint']}")
     if (m.get("load_1min") or 0) > (m["cpu_count"] or 1):
@@ -167,6 +169,15 @@ def machine(report: dict) -> None:
                      "cores); timings below are noisy")
     for line in lines:
         out.print(line, soft_wrap=True, markup=False)
+
+
+def _shape(mkn) -> str:
+    m, k, n = mkn
+    return f"{m}×{k} by {k}×{n}"
+
+
+def blas_env_hint(choice: str) -> str:
+    return f"DFLASH_MLX_BLAS={choice}"
 
 
 def _gb(x: float | None) -> str:

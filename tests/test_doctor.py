@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -59,22 +60,61 @@ def test_measure_on_a_synthetic_shape():
 
 def test_blas_status_and_env(monkeypatch):
     st = blas.status()
-    assert set(st) == {"active", "library", "reason", "hint"}
+    assert set(st) == {"active", "library", "version", "reason", "hint"}
     monkeypatch.setenv(blas.ENV, "bundled")
-    assert blas.candidate() is None
+    assert blas.candidate() is None and blas.candidates() == []
     monkeypatch.setenv(blas.ENV, "/opt/libopenblas.so")
     assert str(blas.candidate()) == "/opt/libopenblas.so"
     assert blas.gflops(1000.0, (1000, 1000, 1000)) == pytest.approx(2.0)
 
 
-@pytest.mark.skipif(not blas.OPENBLAS.exists(), reason="Debian OpenBLAS not installed")
-def test_openblas_is_active_when_installed():
-    # dflash_mlx/__init__ preloads it before mlx is imported (unless DFLASH_MLX_BLAS=bundled)
+def test_blas_order_prefers_the_wheel_then_the_system_library(monkeypatch, tmp_path):
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the preload is Linux-only")
+    wheel, system = tmp_path / "libopenblasp-r9.so", tmp_path / "libopenblas.so.0"
+    monkeypatch.setattr(blas, "wheel_library", lambda: wheel)
+    monkeypatch.setattr(blas, "system_library", lambda: system)
+    monkeypatch.delenv(blas.ENV, raising=False)
+    assert blas.candidates() == [wheel, system]
+    monkeypatch.setenv(blas.ENV, "system")
+    assert blas.candidates() == [system]
+    monkeypatch.setenv(blas.ENV, "wheel")
+    assert blas.candidates() == [wheel]
+    monkeypatch.setattr(blas, "wheel_library", lambda: None)  # not installed (macOS, arm64)
+    monkeypatch.delenv(blas.ENV)
+    assert blas.candidates() == [system]
+    assert blas.choices() == ["system", "bundled"]
+
+
+def test_autoload_falls_back_when_a_library_will_not_load(monkeypatch, tmp_path):
+    # e.g. the wheel's OpenBLAS on a machine without libgfortran5
+    broken, good = tmp_path / "broken.so", tmp_path / "good.so"
+    monkeypatch.setattr(blas, "candidates", lambda: [broken, good])
+    monkeypatch.setattr(blas, "_state", {"requested": None, "loaded": None, "reason": ""})
+    monkeypatch.delitem(sys.modules, "mlx.core", raising=False)  # as before the first import
+    loaded = []
+
+    def fake_load(path):
+        if path == broken:
+            raise OSError("libgfortran.so.5: cannot open shared object file")
+        loaded.append(path)
+
+    monkeypatch.setattr(blas, "_load", fake_load)
+    assert blas.autoload() is True
+    assert loaded == [good] and blas._state["loaded"] == str(good)
+    assert "cannot load" in blas._state["reason"] and "libgfortran" in blas._state["reason"]
+
+
+@pytest.mark.skipif(blas.wheel_library() is None, reason="the OpenBLAS wheel is Linux x86_64 only")
+def test_the_wheel_openblas_serves_mlx_where_pip_installed_it():
     import os
 
-    if os.environ.get(blas.ENV) == "bundled":
-        pytest.skip("DFLASH_MLX_BLAS=bundled")
-    assert blas.status()["active"] == "OpenBLAS"
+    if os.environ.get(blas.ENV, "auto") not in ("", "auto", "wheel"):
+        pytest.skip(f"{blas.ENV} chooses another BLAS")
+    st = blas.status()
+    assert st["active"] == "OpenBLAS" and blas.active_choice() == "wheel"
+    major, minor, patch = (int(x) for x in st["version"].split()[1].split("."))
+    assert (major, minor, patch) >= (0, 3, 33)
 
 
 @pytest.mark.skipif(not blas.OPENBLAS.exists(), reason="Debian OpenBLAS not installed")
@@ -96,7 +136,7 @@ def test_openblas_threads_sleep_when_idle_unless_the_user_says(user, seen):
 def test_doctor_command(isolated_cache):
     r = runner.invoke(app, ["doctor", "--shape", "tiny", "--repeats", "1", "--context", "32"])
     assert r.exit_code == 0, r.output
-    for text in ("MLX ", "Device:", "Memory:", "CPU BLAS:", "float32 sgemm", "Verify cost",
+    for text in ("MLX ", "Device:", "Memory:", "CPU BLAS:", "float32 matmuls", "Verify cost",
                  "break-even τ", "Recommended block size:"):
         assert text in r.stdout, text
     assert (isolated_cache / "verify-cost.json").is_file()
@@ -105,6 +145,10 @@ def test_doctor_command(isolated_cache):
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
     assert report["blas"]["sgemm_ms"] > 0 and report["machine"]["cpu_count"] >= 1
+    assert report["blas"]["decode_ms"] > 0 and report["blas"]["decode_shape"] == [5, 576, 1536]
+    # every other BLAS this machine has is timed beside the active one
+    assert {o["choice"] for o in report["blas"]["others"]} == (
+        set(blas.choices()) - {blas.active_choice()})
     assert report["curve"]["widths"] == list(range(1, 9)) and report["tau"] == 2.5
     assert report["recommended_block_size"] in range(2, 9)
     assert [p["block_size"] for p in report["plan"]] == list(range(2, 9))
