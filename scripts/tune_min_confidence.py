@@ -15,11 +15,13 @@ tokens it yields, so greedy decoding can be replayed exactly for any cut:
    verify(k + 1). Simulated speedup = AR time / DFlash time. tests/test_demo_pair.py checks
    the replayed rounds against a real run.
 
-Two rules: `joint` (the engine's: keep slots while the product of their probabilities stays
->= P) and `slot` (each slot's own probability >= P, the engine's rule before).
+Three rules: `joint` (the engine's: keep slots while the product of their probabilities stays
+>= P), `slot` (each slot's own probability >= P, the engine's rule before) and `cost` (keep
+the slots that maximise the expected tokens per second under the timed passes, taking the
+draft's probabilities at their word; not in the engine).
 
     python scripts/tune_min_confidence.py [--model M --draft D] [--items 3-7] [--block-size 5]
-        [--max-tokens 64] [--json out.json]
+        [--max-tokens 64] [--json out.json] [--records out.json]
 """
 
 from __future__ import annotations
@@ -105,6 +107,20 @@ def keep_slot(conf: list[float], p: float) -> int:
     return k
 
 
+def keep_cost(conf: list[float], draft_s: float, verify: dict) -> int:
+    """Slots that maximise expected tokens per second on this machine's measured passes: a
+    round keeping k slots yields 1 + sum of the leading joint probabilities (the draft's own
+    odds) and costs draft + verify(k + 1)."""
+    best_k, best, expected, joint = 0, 1.0 / (draft_s + verify[1]), 1.0, 1.0
+    for k, c in enumerate(conf, start=1):
+        joint *= c
+        expected += joint
+        rate = expected / (draft_s + verify[k + 1])
+        if rate > best:
+            best_k, best = k, rate
+    return best_k
+
+
 def replay(rec: dict, keep, lookup: bool = True) -> list[tuple[int, int]]:
     """(slots kept, slots accepted) per round of a greedy DFlash run that cuts with `keep`."""
     seq, start, rows = rec["seq"], rec["start"], rec["rows"]
@@ -129,23 +145,8 @@ def _fail(message: str):
     raise SystemExit(2)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model")
-    ap.add_argument("--draft")
-    ap.add_argument("--items", default="3-7", help="1-based item range of each bundled set")
-    ap.add_argument("--block-size", type=int, default=5)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--json", help="write the per-position records and the table here")
-    a = ap.parse_args()
-    try:
-        lo, hi = (int(x) for x in a.items.split("-"))
-        if not 1 <= lo <= hi:
-            raise ValueError
-    except ValueError:
-        _fail(f"--items takes FIRST-LAST (1-based), got {a.items}")
-    if a.block_size < 2 or a.max_tokens < 1:
-        _fail("--block-size must be at least 2 and --max-tokens at least 1")
+def measure(a, lo: int, hi: int) -> tuple[dict, tuple[float, float, dict]]:
+    """Records of items lo..hi of every bundled set, and this machine's pass costs."""
     try:
         pair, _ = prepare.open_pair(registry.resolve(a.model, a.draft, False), 4, "auto")
         prepare.check_block_size(pair, a.block_size)
@@ -157,21 +158,59 @@ def main():
         for i, turns in enumerate(load_prompts(name)[1][lo - 1: hi], start=lo):
             last = encode([{"role": "user", "content": turns[0]}])
             records[f"{name}#{i}"] = record(pair, last, a.block_size, a.max_tokens)
-    ar_s, draft_s, verify = costs(pair, last, a.block_size)
+    return records, costs(pair, last, a.block_size)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model")
+    ap.add_argument("--draft")
+    ap.add_argument("--items", default="3-7", help="1-based item range of each bundled set")
+    ap.add_argument("--block-size", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--json", help="write the per-position records and the table here")
+    ap.add_argument("--records", help="replay the records and costs of an earlier --json file "
+                    "instead of decoding and timing again")
+    a = ap.parse_args()
+    try:
+        lo, hi = (int(x) for x in a.items.split("-"))
+        if not 1 <= lo <= hi:
+            raise ValueError
+    except ValueError:
+        _fail(f"--items takes FIRST-LAST (1-based), got {a.items}")
+    if a.block_size < 2 or a.max_tokens < 1:
+        _fail("--block-size must be at least 2 and --max-tokens at least 1")
+    if a.records:
+        try:
+            with open(a.records) as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as e:
+            _fail(f"--records: cannot read {a.records}: {e}")
+        records = saved["records"]
+        ar_s, draft_s = saved["costs_s"]["ar"], saved["costs_s"]["draft"]
+        verify = {int(w): v for w, v in saved["costs_s"]["verify"].items()}
+    else:
+        records, (ar_s, draft_s, verify) = measure(a, lo, hi)
     print(f"{len(records)} prompts, {sum(len(r['rows']) for r in records.values())} positions; "
           f"AR step {ar_s * 1e3:.1f} ms, draft {draft_s * 1e3:.1f} ms, verify "
           + " ".join(f"{w}:{s * 1e3:.1f}" for w, s in verify.items()) + " ms")
+
+    def simulate(name, threshold, keep, lookup):
+        rounds = [r for rec in records.values() for r in replay(rec, keep, lookup)]
+        t, r = sum(a + 1 for _, a in rounds), len(rounds)
+        s = sum(draft_s + verify[k + 1] for k, _ in rounds)
+        table.append({"rule": name, "threshold": threshold, "tau": t / r,
+                      "speedup": t * ar_s / s})
+        print(f"{name:17s} {'' if threshold is None else threshold:<5} τ {t / r:.2f}  "
+              f"simulated speedup {t * ar_s / s:.3f}×")
+
     table = []
     for rule, keep, lookup in (("joint", keep_joint, True), ("joint", keep_joint, False),
                                ("slot", keep_slot, False)):
-        name = rule + ("" if lookup else " (no lookup)")
         for p in THRESHOLDS:
-            rounds = [r for rec in records.values()
-                      for r in replay(rec, lambda c: keep(c, p), lookup)]
-            t, r = sum(a + 1 for _, a in rounds), len(rounds)
-            s = sum(draft_s + verify[k + 1] for k, _ in rounds)
-            table.append({"rule": name, "threshold": p, "tau": t / r, "speedup": t * ar_s / s})
-            print(f"{name:17s} {p:<5} τ {t / r:.2f}  simulated speedup {t * ar_s / s:.3f}×")
+            simulate(rule + ("" if lookup else " (no lookup)"), p,
+                     lambda c, keep=keep, p=p: keep(c, p), lookup)
+    simulate("cost", None, lambda c: keep_cost(c, draft_s, verify), True)
     best = max(table, key=lambda row: row["speedup"])
     print(f"best: {best['rule']} {best['threshold']} ({best['speedup']:.3f}×)")
     if a.json:
