@@ -169,8 +169,10 @@ def status() -> dict:
                 if wheel_library() or system_library() else None)
     elif candidate() is None:
         hint = f"{INSTALL_HINT} makes float32 matmul about 25-90x faster"
-    else:  # installed but would not load: most often libgfortran5 is missing
-        hint = f"{_state['reason']} ({INSTALL_HINT} brings libgfortran5)"
+    else:  # given or installed, but would not load
+        hint = _state["reason"]
+        if "libgfortran" in hint:
+            hint += f" ({INSTALL_HINT} brings libgfortran5)"
     return {"active": "bundled reference BLAS", "library": provider, "version": None,
             "reason": _state["reason"], "hint": hint}
 
