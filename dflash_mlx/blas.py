@@ -9,7 +9,8 @@ Two are tried, in order:
 - the OpenBLAS that pip installs with dflash-mlx on Linux x86_64 (the `ngsolve-openblas`
   wheel: a recent release built for every x86_64 core, with unprefixed symbols). Decoding
   multiplies a handful of token rows by each weight matrix, and recent OpenBLAS releases do that
-  with less copying than Debian 12's 0.3.21: a verify pass of 5 tokens costs ~20% less;
+  with less copying than Debian 12's 0.3.21 (on the demo target, timed here: a verify pass of
+  5 tokens ~20% cheaper, a one-token step ~5%);
 - Debian's system OpenBLAS (`apt-get install libopenblas0-pthread`).
 Both need the system's libgfortran5 (which that apt package brings).
 
@@ -69,7 +70,7 @@ def candidates() -> list[Path]:
         return []
     found = {"wheel": wheel_library, "system": system_library}
     if choice in found:
-        return [p for p in (found[choice](),) if p]
+        return [p] if (p := found[choice]()) else []
     if choice not in ("", "auto"):
         return [Path(choice)]
     return [p for p in (wheel_library(), system_library()) if p]

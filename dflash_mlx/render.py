@@ -159,7 +159,7 @@ def machine(report: dict) -> None:
         f"{b['decode_shape'][0]} tokens through one MLP matrix) {b['decode_ms'] * 1e3:.0f} µs",
     ]
     for other in b.get("others", []):
-        lines.append(f"  {blas_env_hint(other['choice'])} ({other['active']}): "
+        lines.append(f"  DFLASH_MLX_BLAS={other['choice']} ({other['active']}): "
                      f"{other['sgemm_ms'] / b['sgemm_ms']:.1f}× and "
                      f"{other['decode_ms'] / b['decode_ms']:.2f}× the time")
     if b.get("hint"):
@@ -174,10 +174,6 @@ def machine(report: dict) -> None:
 def _shape(mkn) -> str:
     m, k, n = mkn
     return f"{m}×{k} by {k}×{n}"
-
-
-def blas_env_hint(choice: str) -> str:
-    return f"DFLASH_MLX_BLAS={choice}"
 
 
 def _gb(x: float | None) -> str:
