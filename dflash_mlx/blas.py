@@ -63,17 +63,22 @@ def system_library() -> Path | None:
     return next((p for p in (OPENBLAS, OPENBLAS_AARCH64) if p.exists()), None)
 
 
+def installed() -> dict[str, Path]:
+    """The OpenBLAS builds on this machine by `DFLASH_MLX_BLAS` name, in preference order."""
+    found = {"wheel": wheel_library(), "system": system_library()}
+    return {name: path for name, path in found.items() if path}
+
+
 def candidates() -> list[Path]:
     """The libraries autoload() would try, in order, as `DFLASH_MLX_BLAS` says."""
     choice = os.environ.get(ENV, "auto").strip()
     if choice == "bundled" or not sys.platform.startswith("linux"):
         return []
-    found = {"wheel": wheel_library, "system": system_library}
-    if choice in found:
-        return [p] if (p := found[choice]()) else []
+    if choice in ("wheel", "system"):
+        return [p] if (p := installed().get(choice)) else []
     if choice not in ("", "auto"):
         return [Path(choice)]
-    return [p for p in (wheel_library(), system_library()) if p]
+    return list(installed().values())
 
 
 def candidate() -> Path | None:
@@ -166,8 +171,7 @@ def status() -> dict:
         return {"active": "OpenBLAS", "library": provider, "version": version(),
                 "reason": _state["reason"], "hint": None}
     if os.environ.get(ENV) == "bundled":
-        hint = (f"unset {ENV} to use OpenBLAS"
-                if wheel_library() or system_library() else None)
+        hint = f"unset {ENV} to use OpenBLAS" if installed() else None
     elif candidate() is None:
         hint = f"{INSTALL_HINT} makes float32 matmul about 25-90x faster"
     else:  # given or installed, but would not load
@@ -182,9 +186,7 @@ def choices() -> list[str]:
     """`DFLASH_MLX_BLAS` values worth comparing on this machine (doctor)."""
     if not sys.platform.startswith("linux"):
         return []
-    have = [name for name, found in (("wheel", wheel_library()), ("system", system_library()))
-            if found]
-    return have + ["bundled"]
+    return [*installed(), "bundled"]
 
 
 def active_choice() -> str | None:
@@ -193,8 +195,8 @@ def active_choice() -> str | None:
     if not provider or "openblas" not in provider.lower():
         return "bundled"
     real = os.path.realpath(provider)
-    for name, found in (("wheel", wheel_library()), ("system", system_library())):
-        if found and os.path.realpath(found) == real:
+    for name, path in installed().items():
+        if os.path.realpath(path) == real:
             return name
     return None
 

@@ -160,8 +160,8 @@ def machine(report: dict) -> None:
     ]
     for other in b.get("others", []):
         lines.append(f"  DFLASH_MLX_BLAS={other['choice']} ({other['active']}): "
-                     f"{other['sgemm_ms'] / b['sgemm_ms']:.1f}× and "
-                     f"{other['decode_ms'] / b['decode_ms']:.2f}× the time")
+                     f"{other['sgemm_ms'] / b['sgemm_ms']:.3g}× and "
+                     f"{other['decode_ms'] / b['decode_ms']:.3g}× the time")
     if b.get("hint"):
         lines.append(f"  hint: {b['hint']}")
     if (m.get("load_1min") or 0) > (m["cpu_count"] or 1):

@@ -105,6 +105,16 @@ def test_autoload_falls_back_when_a_library_will_not_load(monkeypatch, tmp_path)
     assert "cannot load" in blas._state["reason"] and "libgfortran" in blas._state["reason"]
 
 
+@pytest.mark.skipif(not blas.installed(), reason="no OpenBLAS installed")
+def test_openblas_is_active_when_installed():
+    # dflash_mlx/__init__ preloads it before mlx is imported (unless DFLASH_MLX_BLAS=bundled)
+    import os
+
+    if os.environ.get(blas.ENV) == "bundled":
+        pytest.skip("DFLASH_MLX_BLAS=bundled")
+    assert blas.status()["active"] == "OpenBLAS"
+
+
 @pytest.mark.skipif(blas.wheel_library() is None, reason="the OpenBLAS wheel is Linux x86_64 only")
 def test_the_wheel_openblas_serves_mlx_where_pip_installed_it():
     import os
