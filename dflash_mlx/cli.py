@@ -17,8 +17,9 @@ import typer
 from . import render
 from .cli_options import (  # the app and the options shared with cli_more
     DEFAULT_BLOCK_SIZE, DEFAULT_MAX_TOKENS, R, ApiKeyOpt, BackendOpt, BaseUrlOpt, BlockSizeOpt,
-    DraftBitsOpt, DraftOpt, LookupOpt, MaxTokensOpt, MinConfidenceOpt, ModelOpt, NoDraftOpt, NoTemplateOpt, ReasoningOpt,
-    SeedOpt, SystemOpt, TempOpt, TopKOpt, TopPOpt, WeightsOpt, app,
+    DraftBitsOpt, DraftOpt, LookupOpt, MaxTokensOpt, MinConfidenceOpt, ModelOpt, NoDraftOpt,
+    NoTemplateOpt, PadVerifyOpt, ReasoningOpt, SeedOpt, SystemOpt, TempOpt, TopKOpt, TopPOpt,
+    WeightsOpt, app,
 )
 from .errors import InvalidArgumentError
 
@@ -40,6 +41,7 @@ def generate(
     weights: WeightsOpt = "auto",
     min_confidence: MinConfidenceOpt = None,
     lookup: LookupOpt = True,
+    pad_verify: PadVerifyOpt = True,
     max_tokens: MaxTokensOpt = DEFAULT_MAX_TOKENS,
     temp: TempOpt = 0.0,
     top_p: TopPOpt = 1.0,
@@ -82,7 +84,7 @@ def generate(
     template_kwargs = registry.reasoning_kwargs(spec.entry, reasoning)
     writer = render.EventsWriter(events) if events else None
     pair, loaded = prepare.open_pair(spec, draft_bits, weights, _say(quiet), min_confidence,
-                                      lookup)
+                                      lookup, pad_verify)
     block = prepare.choose_block(pair, loaded, requested, None if quiet else render.note)
     ids = prepare.prompt_ids(pair, text, system_prompt, template_kwargs, not no_chat_template)
     stats, tokens, interrupted, peak = _stream(pair, ids, block, sampling, writer, verbose)
@@ -101,7 +103,7 @@ def generate(
         writer.summary({
             "versions": versions(), **loaded.models(), "block_size": block,
             "min_confidence": pair.min_confidence, "lookup": pair.lookup,
-            "sampling": sampling, "chat_template": not no_chat_template, "reasoning": reasoning,
+            "verify_pad": pair.verify_pad, "sampling": sampling, "chat_template": not no_chat_template, "reasoning": reasoning,
             "prompt_ids": len(ids), "stats": stats.as_dict(), "peak_memory_gb": round(peak, 4),
             "interrupted": interrupted, "parity": asdict(parity) if parity else None,
         })
@@ -216,7 +218,8 @@ def doctor(
     doc.store(key, curve)
     rows = doc.plan(curve, tau, max_block=pair.draft.config.block_size if pair.draft else None)
     best = doc.recommend(rows)
-    report.update(subject=subject, curve=asdict(curve), tau=tau,
+    pads = curve.pads()
+    report.update(subject=subject, curve=asdict(curve), tau=tau, verify_pad=pads,
                   plan=[asdict(r) for r in rows], recommended_block_size=best.block_size)
     if as_json:
         typer.echo(json.dumps(report, indent=1, default=str))
@@ -226,6 +229,11 @@ def doctor(
                      f"ms, {curve.context} tokens cached); draft: one draft pass ÷ the same",
                      soft_wrap=True, markup=False)
     render.out.print(verify_table)
+    if pads:
+        render.out.print("A wider pass is cheaper here, so the engine pads these widths: "
+                         + ", ".join(f"{w}→{p}" for w, p in pads.items())
+                         + " (the rounds below are costed so; --no-pad-verify turns it off)",
+                         soft_wrap=True, markup=False)
     render.out.print(f"break-even τ = verify + draft cost; expected τ assumes τ {tau:g} at block 5 "
                      "(same acceptance rate at every draft position)", soft_wrap=True, markup=False)
     render.out.print(plan_table)
@@ -244,6 +252,7 @@ def benchmark(
     weights: WeightsOpt = "auto",
     min_confidence: MinConfidenceOpt = None,
     lookup: LookupOpt = True,
+    pad_verify: PadVerifyOpt = True,
     dataset: Annotated[str, typer.Option(
         help="gsm8k, math500, humaneval, mbpp, mt-bench; a comma list, or all.")] = "gsm8k",
     num_prompts: Annotated[int, typer.Option(help="Items per dataset (file order).")] = 8,
@@ -292,7 +301,7 @@ def benchmark(
         metas[name], items = bench.load_prompts(name)
         sets[name] = items[:num_prompts]
     pair, loaded = prepare.open_pair(spec, draft_bits, weights, render.progress, min_confidence,
-                                      lookup)
+                                      lookup, pad_verify)
     for b in blocks:
         prepare.check_block_size(pair, b)
     encode = prepare.encoder(pair, template_kwargs)
@@ -302,7 +311,8 @@ def benchmark(
     render.out.print(render.bench_table(rows, f"{loaded.spec.target} + {loaded.spec.draft}"))
     if out is not None:
         settings = {**sampling, "block_sizes": blocks, "min_confidence": pair.min_confidence,
-                    "lookup": pair.lookup, "num_prompts": num_prompts,
+                    "lookup": pair.lookup, "verify_pad": pair.verify_pad,
+                    "num_prompts": num_prompts,
                     "repeats": repeats, "reasoning": reasoning, "datasets": names,
                     "warmup": f"{bench.WARMUP_TOKENS} tokens per system on {bench.WARMUP_PROMPT!r}"}
         card = bench.card(machine=machine(), versions=versions(), models=loaded.models(),

@@ -74,6 +74,10 @@ LookupOpt = Annotated[bool, typer.Option(
     "--lookup/--no-lookup", help="Where the draft is unsure, try the tokens that followed the same "
     "words earlier in the conversation (v1 drafts). The output is the target's either way.",
     rich_help_panel=M)]
+PadVerifyOpt = Annotated[bool, typer.Option(
+    "--pad-verify/--no-pad-verify", help="On the CPU, run a verify pass at a wider width where "
+    "this machine's BLAS does that faster (measured once, see `doctor`); the added rows are "
+    "padding, never read.", rich_help_panel=M)]
 BlockSizeOpt = Annotated[str, typer.Option(
     "--block-size", help="Verify width: the last token + B-1 drafted ones, 2..the draft's trained "
     "size; or 'auto' (from the measured verify cost on this machine, see `doctor`).",

@@ -281,12 +281,16 @@ def stream_generate(
         tic = time.perf_counter()
         committed = base  # what the target cache may keep; grows only on success
         try:
+            ids = [last] + drafted
+            # rows past the block only pad the pass to a width the BLAS runs faster; their
+            # logits are never read and the `finally` below drops their cache entries
+            pad = pair.verify_pad.get(len(ids), len(ids)) - len(ids)
             logits, taps = pair.target(
                 # taps whenever a draft shares this session, so an AR turn keeps its context whole
-                mx.array([[last] + drafted]), session.target_cache,
+                mx.array([ids + [last] * pad]), session.target_cache,
                 taps=session.draft_cache is not None
             )
-            logits = logits[0]
+            logits = logits[0, : len(ids)]
             if params.greedy:
                 accepted, nxt = greedy_accept(drafted, mx.argmax(logits, axis=-1).tolist())
             else:

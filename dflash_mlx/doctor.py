@@ -26,6 +26,8 @@ from .load import DRAFT_GROUP_SIZE, Pair, _quantizable, convert_weights, pair_fr
 WIDTHS = tuple(range(1, 9))
 DEFAULT_TAU = 3.0  # τ at block 5 assumed for the recommendation (Mac 4-bit reports: 2.9-3.4)
 TAU_BLOCK = 5
+# Pad a verify pass only where the wider one is clearly cheaper: repeat timings vary a few %.
+PAD_MARGIN = 0.05
 SYNTH_DRAFT_LAYERS = 5  # z-lab drafts have 5 layers
 # Built-in shapes for a synthetic curve: the demo target's, a larger one, and a test-sized one.
 SHAPES = {
@@ -56,8 +58,26 @@ class CostCurve:
     measured_at: str
 
     def cost(self, block: int) -> tuple[float, float]:
+        """(verify, draft) of one round at `block`; the verify as padded (see `pads`)."""
         i = self.widths.index(block)
-        return self.verify[i], self.draft[i] or 0.0
+        j = self.widths.index(self.pads().get(block, block))
+        return self.verify[j], self.draft[i] or 0.0
+
+    def pads(self, margin: float = PAD_MARGIN) -> dict[int, int]:
+        """{W: wider W'} for the widths whose verify pass is cheaper run at a wider width.
+
+        BLAS kernels multiply token rows in fixed-size groups, so cost is not monotone in W:
+        with OpenBLAS here 5 rows cost more than 8 (4 + a lone row against 8 at once). The
+        engine then verifies W tokens in a pass of W' rows; the rows past W are padding.
+        """
+        out = {}
+        for i, w in enumerate(self.widths):
+            if w < 2:
+                continue
+            j = min(range(i, len(self.widths)), key=lambda k: self.verify[k])
+            if self.verify[j] < self.verify[i] * (1 - margin):
+                out[w] = self.widths[j]
+        return out
 
 
 @dataclass
@@ -299,7 +319,7 @@ def machine_key() -> str:
     from importlib.metadata import version
 
     return "|".join([platform.system(), platform.machine(), cpu_name(), str(mx.default_device()),
-                     f"mlx {version('mlx')}", blas.status()["active"]])
+                     f"mlx {version('mlx')}", blas.status()["version"] or blas.status()["active"]])
 
 
 def model_key(target: str, revision: str | None, weights: str, draft: str | None,
@@ -341,9 +361,16 @@ def auto_block_size(pair: Pair, key: str, progress: Callable[[str], None] | None
 
     Returns (plan, whether the curve came from the cache).
     """
-    curve = cached(key)
-    hit = curve is not None
-    if curve is None:
-        curve = measure(pair, progress=progress)
-        store(key, curve)
+    curve, hit = curve_for(pair, key, progress)
     return recommend(plan(curve, tau, max_block=pair.draft.config.block_size)), hit
+
+
+def curve_for(pair: Pair, key: str, progress: Callable[[str], None] | None = None
+              ) -> tuple[CostCurve, bool]:
+    """The cached cost curve of this machine and model, measured and stored on a miss."""
+    curve = cached(key)
+    if curve is not None:
+        return curve, True
+    curve = measure(pair, progress=progress)
+    store(key, curve)
+    return curve, False

@@ -41,6 +41,8 @@ class Pair:
     info: dict = field(default_factory=dict)
     min_confidence: float = 0.0  # stream_generate's default (see `auto_min_confidence`)
     lookup: bool = True  # stream_generate's default: context lookup for v1 drafts (lookup.py)
+    # {W: W'}: verify W tokens in a pass of W' rows where the BLAS runs that faster (doctor.py)
+    verify_pad: dict[int, int] = field(default_factory=dict)
 
 
 def on_cpu() -> bool:

@@ -120,10 +120,12 @@ def read_prompt(positional: str | None, option: str | None) -> str:
 
 
 def open_pair(spec: registry.Spec, draft_bits: int | None, weights: str, say: Say = None,
-              min_confidence: float | None = None, lookup: bool = True):
+              min_confidence: float | None = None, lookup: bool = True,
+              pad_verify: bool = True):
     """Download what `spec` names (narrow patterns, progress bars) and load it.
 
-    `lookup` sets the pair's default for context lookup (`lookup.py`). Returns (pair, Loaded).
+    `lookup` sets the pair's default for context lookup (`lookup.py`); `pad_verify` lets
+    verify passes run at a wider, cheaper width (`verify_pads`). Returns (pair, Loaded).
     """
     from .load import DRAFT_PATTERNS, MODEL_PATTERNS, load, resolve
 
@@ -146,7 +148,33 @@ def open_pair(spec: registry.Spec, draft_bits: int | None, weights: str, say: Sa
         None if d_path is None else spec.draft_revision or registry.snapshot_revision(d_path),
         pair.draft_bits if d_path is not None else 16, pair.weights,
     )
+    if pad_verify:
+        pair.verify_pad = verify_pads(pair, loaded, say)
     return pair, loaded
+
+
+def verify_pads(pair, loaded: Loaded, say: Say = None) -> dict[int, int]:
+    """The verify widths worth padding here, from this machine's cost curve (CPU only).
+
+    On a GPU a wider pass costs about the same as a narrower one, so nothing pads there. The
+    curve is measured once per machine and model (a few seconds) and cached, as for
+    `--block-size auto`.
+    """
+    from .load import on_cpu
+
+    if pair.draft is None or not on_cpu():
+        return {}
+    from .doctor import cached, curve_for
+
+    key = loaded.cost_key()
+    if say and cached(key) is None:
+        say("timing verify passes of 1-8 tokens on this machine (once; cached for later runs)")
+    pads = curve_for(pair, key)[0].pads()
+    if say and pads:
+        say("padding verify passes " + ", ".join(f"{w}→{p}" for w, p in pads.items())
+            + " tokens wide: cheaper on this BLAS (the added rows are never read; "
+            "--no-pad-verify turns it off)")
+    return pads
 
 
 def choose_block(pair, loaded: Loaded, requested: int | str, say: Say = None) -> int:

@@ -213,12 +213,34 @@ def test_parity_check_calls_a_tiny_margin_a_near_tie(tiny, monkeypatch):
 
 
 def test_block_size_auto_measures_once_then_uses_the_cache(tiny, isolated_cache):
-    first = gen(tiny, "Hi", "--max-tokens", 4, "--block-size", "auto")
+    # --no-pad-verify: padding reads the same cached curve, and would measure it first
+    first = gen(tiny, "Hi", "--max-tokens", 4, "--block-size", "auto", "--no-pad-verify")
     assert first.exit_code == 0, first.output
     assert "--block-size auto →" in first.stderr and "measured now, cached" in first.stderr
     assert (isolated_cache / "verify-cost.json").is_file()
     second = gen(tiny, "Hi", "--max-tokens", 4, "--block-size", "auto")
     assert "cached measurement" in second.stderr
+
+
+def test_verify_padding_follows_the_measured_curve(tiny, isolated_cache, tmp_path):
+    from dflash_mlx import doctor
+
+    path = tmp_path / "ev.jsonl"
+
+    def padded(*args):
+        r = gen(tiny, "Hi", "--max-tokens", 6, "--events", path, *args)
+        assert r.exit_code == 0, r.output
+        return json.loads(path.read_text().splitlines()[-1])["verify_pad"]
+
+    padded()  # measures this machine's curve once and caches it
+    data = json.loads(doctor.cache_file().read_text())
+    (entry,) = data[doctor.machine_key()].values()
+    assert len(entry["verify"]) == 8
+    # a curve with OpenBLAS's bump: 5-7 rows cost more than 8
+    entry["verify"] = [1.0, 1.2, 1.25, 1.3, 1.6, 1.7, 1.65, 1.35]
+    doctor.cache_file().write_text(json.dumps(data))
+    assert padded() == {"5": 8, "6": 8, "7": 8}
+    assert padded("--no-pad-verify") == {}
 
 
 @pytest.fixture

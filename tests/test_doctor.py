@@ -38,6 +38,18 @@ def test_plan_break_even_and_recommendation():
     assert max(r.block_size for r in doctor.plan(c, max_block=4)) == 4
 
 
+def test_pads_pick_a_clearly_cheaper_wider_pass():
+    # OpenBLAS's shape: 4 and 8 rows go in one kernel pass, 5-7 need a second one
+    c = curve([1.0, 1.19, 1.2, 1.24, 1.48, 1.7, 1.5, 1.31], [None] + [0.25] * 7)
+    assert c.pads() == {5: 8, 6: 8, 7: 8}
+    assert c.cost(5) == (1.31, 0.25) and c.cost(4) == (1.24, 0.25)  # rounds cost as padded
+    # within the margin (timing noise) or monotone: nothing pads
+    assert curve([1.0, 1.3, 1.6, 1.58], [None] * 4).pads() == {}
+    assert curve([1.0, 1.1, 1.2, 1.3], [None] * 4).pads() == {}
+    assert curve([1.0, 1.3, 1.6, 1.2], [None] * 4).pads(margin=0.0) == {2: 4, 3: 4}
+    assert 1 not in curve([2.0, 1.0], [None, 0.1]).pads()  # a width-1 step never pads
+
+
 def test_cost_cache_round_trip(isolated_cache):
     c = curve([1.0, 1.2], [None, 0.3])
     assert doctor.cached("k") is None
@@ -162,6 +174,8 @@ def test_doctor_command(isolated_cache):
     assert report["curve"]["widths"] == list(range(1, 9)) and report["tau"] == 2.5
     assert report["recommended_block_size"] in range(2, 9)
     assert [p["block_size"] for p in report["plan"]] == list(range(2, 9))
+    curve_ = doctor.CostCurve(**report["curve"])
+    assert report["verify_pad"] == {str(w): p for w, p in curve_.pads().items()}
 
 
 def test_doctor_on_a_model(tiny, isolated_cache):

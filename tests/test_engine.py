@@ -93,6 +93,38 @@ def test_greedy_invariants(oracle_pair, seed, prompt_len, block, p_wrong):
         assert all(e.accepted == block - 1 for e in whole)
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_padded_verify_passes_decode_the_same(oracle_pair, seed):
+    """Verify passes run wider than the block (`Pair.verify_pad`): the rows added are padding,
+    so every round, token and cached K/V is what the unpadded run gives, and the output is
+    plain AR greedy's."""
+    pair = oracle_pair
+    rng = __import__("random").Random(seed)
+    prompt = [rng.randrange(tiny.VOCAB_SIZE - 4) for _ in range(rng.randint(1, 24))]
+    block, n = rng.randint(2, 8), rng.randint(6, 24)
+    raw = mlx_lm_greedy(pair.target.model, prompt, n)
+    reference = raw[: raw.index(tiny.EOS_ID) + 1] if tiny.EOS_ID in raw else raw
+    runs = {}
+    for pads in ({}, {w: 8 for w in range(2, 8)}):
+        pair.draft.oracle = Oracle(raw, len(prompt), 0.3, seed)
+        pair.target.passes.clear()
+        session = Session.new(pair)
+        pair.verify_pad = pads
+        try:
+            events = _run(pair, prompt, block_size=block, max_tokens=n, session=session)
+        finally:
+            pair.verify_pad = {}
+        widths = [p.shape[0] for p in pair.target.passes[-len(events):]]
+        assert widths == [pads.get(e.block_size, e.block_size) for e in events]
+        assert pair.target.cache_length(session.target_cache) == len(session.tokens) - 1
+        assert [t for e in events for t in e.tokens] == reference
+        runs[bool(pads)] = ([(e.tokens, e.drafted, e.accepted) for e in events],
+                            cache_arrays(session.target_cache, len(session.tokens) - 1))
+    assert runs[True][0] == runs[False][0]
+    for (k1, v1), (k0, v0) in zip(runs[True][1], runs[False][1]):
+        assert mx.allclose(k1, k0, atol=1e-5).item() and mx.allclose(v1, v0, atol=1e-5).item()
+
+
 def test_eos_stops_exactly(tiny_dirs):
     pair = load(*tiny_dirs, weights="float32")
     prompt = list(range(70, 90))

@@ -475,6 +475,16 @@ def test_stream_generate_first_token_is_exact(engine_pair, setting):
     _assert_all_ok(results)
 
 
+def test_padded_verify_pass_samples_exactly(engine_pair):
+    """A verify pass padded wider (doctor's `pads`) leaves the sampled distribution alone."""
+    engine_pair.verify_pad = {2: 8}
+    try:
+        results, _ = engine_check(engine_pair, "T1.0", seed=2024)
+    finally:
+        engine_pair.verify_pad = {}
+    _assert_all_ok(results)
+
+
 # ---------------------------------------------------------------- d. greedy and sampling_probs
 
 
