@@ -12,8 +12,9 @@ tokens it yields, so greedy decoding can be replayed exactly for any cut:
 4. Replay: a round at position i merges the context lookup into the block as the engine does
    (`lookup.py`; or not, for the rows "no lookup"), keeps k slots (by the rule), accepts the
    leading ones that match the greedy answer, moves on by that + 1, and costs draft +
-   verify(k + 1). Simulated speedup = AR time / DFlash time. tests/test_demo_pair.py checks
-   the replayed rounds against a real run.
+   verify(k + 1), padded as the engine pads here (`Pair.verify_pad`). Simulated speedup =
+   AR time / DFlash time. tests/test_demo_pair.py checks the replayed rounds against a real
+   run.
 
 Three rules: `joint` (the engine's: keep slots while the product of their probabilities stays
 >= P), `slot` (each slot's own probability >= P, the engine's rule before) and `cost` (keep
@@ -64,8 +65,10 @@ def costs(pair, seq: list[int], block: int, reps: int = 9) -> tuple[float, float
     """(AR step, draft pass, {width: verify pass}) in seconds, at the context of `seq`.
 
     The passes are timed round-robin and each one's median is kept, so a burst of load on a
-    noisy machine lands on all of them alike.
+    noisy machine lands on all of them alike. Widths go up to the widest pass a round of
+    `block` runs as (`pair.verify_pad`).
     """
+    widest = max(pair.verify_pad.get(w, w) for w in range(1, block + 1))
     tgt, draft = pair.target, pair.draft
     cache = tgt.make_cache()
     base = len(seq) - block
@@ -87,7 +90,7 @@ def costs(pair, seq: list[int], block: int, reps: int = 9) -> tuple[float, float
             c.trim(2)
 
     passes = {"ar": lambda: target_pass(1, False), "draft": draft_pass}
-    passes.update({w: (lambda w=w: target_pass(w, True)) for w in range(1, block + 1)})
+    passes.update({w: (lambda w=w: target_pass(w, True)) for w in range(1, widest + 1)})
     times = {key: [] for key in passes}
     for rep in range(reps + 1):
         for key, fn in passes.items():
@@ -145,10 +148,12 @@ def _fail(message: str):
     raise SystemExit(2)
 
 
-def measure(a, lo: int, hi: int) -> tuple[dict, tuple[float, float, dict]]:
-    """Records of items lo..hi of every bundled set, and this machine's pass costs."""
+def measure(a, lo: int, hi: int) -> tuple[dict, tuple[float, float, dict], dict]:
+    """Records of items lo..hi of every bundled set, this machine's pass costs, and the
+    verify widths the engine pads here."""
     try:
-        pair, _ = prepare.open_pair(registry.resolve(a.model, a.draft, False), 4, "auto")
+        pair, _ = prepare.open_pair(registry.resolve(a.model, a.draft, False), 4, "auto",
+                                    pad_verify=a.pad_verify)
         prepare.check_block_size(pair, a.block_size)
     except DFlashError as e:
         _fail(str(e))
@@ -158,7 +163,7 @@ def measure(a, lo: int, hi: int) -> tuple[dict, tuple[float, float, dict]]:
         for i, turns in enumerate(load_prompts(name)[1][lo - 1: hi], start=lo):
             last = encode([{"role": "user", "content": turns[0]}])
             records[f"{name}#{i}"] = record(pair, last, a.block_size, a.max_tokens)
-    return records, costs(pair, last, a.block_size)
+    return records, costs(pair, last, a.block_size), pair.verify_pad
 
 
 def main():
@@ -171,6 +176,8 @@ def main():
     ap.add_argument("--json", help="write the per-position records and the table here")
     ap.add_argument("--records", help="replay the records and costs of an earlier --json file "
                     "instead of decoding and timing again")
+    ap.add_argument("--no-pad-verify", dest="pad_verify", action="store_false",
+                    help="cost every round at its own width, as `--no-pad-verify` runs")
     a = ap.parse_args()
     try:
         lo, hi = (int(x) for x in a.items.split("-"))
@@ -189,11 +196,15 @@ def main():
         records = saved["records"]
         ar_s, draft_s = saved["costs_s"]["ar"], saved["costs_s"]["draft"]
         verify = {int(w): v for w, v in saved["costs_s"]["verify"].items()}
+        pads = {int(w): p for w, p in saved.get("pads", {}).items()} if a.pad_verify else {}
     else:
-        records, (ar_s, draft_s, verify) = measure(a, lo, hi)
+        records, (ar_s, draft_s, verify), pads = measure(a, lo, hi)
     print(f"{len(records)} prompts, {sum(len(r['rows']) for r in records.values())} positions; "
           f"AR step {ar_s * 1e3:.1f} ms, draft {draft_s * 1e3:.1f} ms, verify "
-          + " ".join(f"{w}:{s * 1e3:.1f}" for w, s in verify.items()) + " ms")
+          + " ".join(f"{w}:{s * 1e3:.1f}" for w, s in verify.items()) + " ms"
+          + (" (padded " + " ".join(f"{w}→{p}" for w, p in pads.items()) + ")" if pads else ""))
+    timed = verify
+    verify = {w: timed[pads.get(w, w)] for w in range(1, a.block_size + 1)}  # as the engine runs
 
     def simulate(name, threshold, keep, lookup):
         rounds = [r for rec in records.values() for r in replay(rec, keep, lookup)]
@@ -215,7 +226,7 @@ def main():
     print(f"best: {best['rule']} {best['threshold']} ({best['speedup']:.3f}×)")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"costs_s": {"ar": ar_s, "draft": draft_s, "verify": verify},
+            json.dump({"costs_s": {"ar": ar_s, "draft": draft_s, "verify": timed}, "pads": pads,
                        "table": table, "records": records}, f)
 
 
