@@ -67,7 +67,7 @@ WeightsOpt = Annotated[str, typer.Option(
 MinConfidenceOpt = Annotated[Optional[float], typer.Option(
     "--min-confidence", help="Verify the leading drafted tokens only while the draft's joint "
     "probability that all of them are right (the product of their slot probabilities) is at least "
-    "this; 0 verifies whole blocks. Default: 0.1 on the CPU device (every verified token costs "
+    "this; 0 verifies whole blocks. Default: 0.05 on the CPU device (every verified token costs "
     "there), 0 on a GPU. The output is the target's either way.",
     rich_help_panel=M, show_default=False)]
 LookupOpt = Annotated[bool, typer.Option(
