@@ -52,8 +52,9 @@ def on_cpu() -> bool:
 # On the CPU every verified token costs, so slots the draft is unsure of are cut before
 # verifying: slot k pays for itself when the draft's odds that slots 1..k all hold beat its
 # share of the round's cost. With verify padding (OpenBLAS: 5 rows run as 8) a slot costs ~4%
-# of a width-1 pass; replayed on prompts outside the benchmark, cuts 0.05-0.12 tie within
-# 0.1% and the lowest keeps the most slots. On a GPU a wider verify is nearly free: no cut.
+# of a step; replayed on prompts outside the benchmark, cuts 0.05-0.25 come within 1% of the
+# best, and the lowest of them keeps the most slots (τ). On a GPU a wider verify is nearly
+# free: no cut.
 CPU_MIN_CONFIDENCE = 0.05
 
 

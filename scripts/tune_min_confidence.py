@@ -8,7 +8,9 @@ tokens it yields, so greedy decoding can be replayed exactly for any cut:
 2. One teacher-forced target pass gives the taps of the whole sequence; at every position the
    draft proposes a block from exactly the context a real round would have, and we record
    each slot's token and probability.
-3. Time on this machine one AR step, a target pass of each width 1..B, and a draft pass.
+3. Time on this machine one AR step, a verify pass of each width 1..B, and a draft pass:
+   by default the medians of real decoding rounds of each set's first item (`--costs rounds`),
+   or each pass timed alone (`--costs passes`).
 4. Replay: a round at position i merges the context lookup into the block as the engine does
    (`lookup.py`; or not, for the rows "no lookup"), keeps k slots (by the rule), accepts the
    leading ones that match the greedy answer, moves on by that + 1, and costs draft +
@@ -22,7 +24,8 @@ the slots that maximise the expected tokens per second under the timed passes, t
 draft's probabilities at their word; not in the engine).
 
     python scripts/tune_min_confidence.py [--model M --draft D] [--items 3-7] [--block-size 5]
-        [--max-tokens 64] [--json out.json] [--records out.json]
+        [--max-tokens 64] [--costs rounds|passes] [--no-pad-verify] [--json out.json]
+        [--records out.json]
 """
 
 from __future__ import annotations
@@ -102,6 +105,29 @@ def costs(pair, seq: list[int], block: int, reps: int = 9) -> tuple[float, float
     return med.pop("ar"), med.pop("draft"), med
 
 
+def round_costs(pair, prompts: list[list[int]], block: int, max_tokens: int,
+                passes: tuple[float, float, dict]) -> tuple[float, float, dict]:
+    """(AR step, draft pass, {width: verify pass}): medians over real decoding rounds of
+    `prompts` (AR, then DFlash at the pair's own cut), padding and all.
+
+    Inside the decode loop a width can cost other than timed alone: with OpenBLAS here a
+    verify of 5 timed alone right after one of 4 read like one of 8 (64 ms), in rounds 70 ms.
+    Widths that fewer than 5 rounds ran fall back to the timed passes (`costs`).
+    """
+    ar, draft, verify = [], [], {}
+    for ids in prompts:
+        ar += [ev.verify_s for ev in stream_generate(pair, ids, block_size=1,
+                                                     max_tokens=max_tokens)]
+        for ev in stream_generate(pair, ids, block_size=block, max_tokens=max_tokens):
+            draft.append(ev.draft_s)
+            verify.setdefault(ev.block_size, []).append(ev.verify_s)
+    med = statistics.median
+    timed = passes[2]
+    return med(ar), med(draft), {
+        w: med(verify[w]) if len(verify.get(w, ())) >= 5 else timed[pair.verify_pad.get(w, w)]
+        for w in range(1, block + 1)}
+
+
 def keep_slot(conf: list[float], p: float) -> int:
     """The per-slot rule the engine used before, for comparison."""
     k = 0
@@ -158,12 +184,17 @@ def measure(a, lo: int, hi: int) -> tuple[dict, tuple[float, float, dict], dict]
     except DFlashError as e:
         _fail(str(e))
     encode = prepare.encoder(pair, {})
-    records, last = {}, None
+    records, firsts, last = {}, [], None
     for name in DATASETS:
         for i, turns in enumerate(load_prompts(name)[1][lo - 1: hi], start=lo):
             last = encode([{"role": "user", "content": turns[0]}])
             records[f"{name}#{i}"] = record(pair, last, a.block_size, a.max_tokens)
-    return records, costs(pair, last, a.block_size), pair.verify_pad
+            firsts += [last] if i == lo else []
+    passes = costs(pair, last, a.block_size)
+    if a.costs == "passes":
+        return records, passes, pair.verify_pad
+    # the rounds ran padded already: their widths are the verify widths as run
+    return records, round_costs(pair, firsts, a.block_size, a.max_tokens, passes), {}
 
 
 def main():
@@ -178,6 +209,9 @@ def main():
                     "instead of decoding and timing again")
     ap.add_argument("--no-pad-verify", dest="pad_verify", action="store_false",
                     help="cost every round at its own width, as `--no-pad-verify` runs")
+    ap.add_argument("--costs", choices=("rounds", "passes"), default="rounds",
+                    help="rounds: medians of real decoding rounds of each set's first item "
+                    "(default); passes: each pass timed alone")
     a = ap.parse_args()
     try:
         lo, hi = (int(x) for x in a.items.split("-"))
