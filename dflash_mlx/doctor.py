@@ -318,8 +318,9 @@ def recommend(rows: list[Plan]) -> Plan:
 def machine_key() -> str:
     from importlib.metadata import version
 
+    st = blas.status()  # the release, not just the name: its kernels shape the curve
     return "|".join([platform.system(), platform.machine(), cpu_name(), str(mx.default_device()),
-                     f"mlx {version('mlx')}", blas.status()["version"] or blas.status()["active"]])
+                     f"mlx {version('mlx')}", st["version"] or st["active"]])
 
 
 def model_key(target: str, revision: str | None, weights: str, draft: str | None,
