@@ -281,16 +281,17 @@ def stream_generate(
         tic = time.perf_counter()
         committed = base  # what the target cache may keep; grows only on success
         try:
-            ids = [last] + drafted
+            verified = [last] + drafted
+            w = len(verified)
             # rows past the block only pad the pass to a width the BLAS runs faster; their
             # logits are never read and the `finally` below drops their cache entries
-            pad = pair.verify_pad.get(len(ids), len(ids)) - len(ids)
+            pad = pair.verify_pad.get(w, w) - w
             logits, taps = pair.target(
                 # taps whenever a draft shares this session, so an AR turn keeps its context whole
-                mx.array([ids + [last] * pad]), session.target_cache,
+                mx.array([verified + [last] * pad]), session.target_cache,
                 taps=session.draft_cache is not None
             )
-            logits = logits[0, : len(ids)]
+            logits = logits[0, :w]
             if params.greedy:
                 accepted, nxt = greedy_accept(drafted, mx.argmax(logits, axis=-1).tolist())
             else:

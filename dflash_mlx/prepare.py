@@ -164,12 +164,10 @@ def verify_pads(pair, loaded: Loaded, say: Say = None) -> dict[int, int]:
 
     if pair.draft is None or not on_cpu():
         return {}
-    from .doctor import cached, curve_for
+    from .doctor import curve_for
 
-    key = loaded.cost_key()
-    if say and cached(key) is None:
-        say("timing verify passes of 1-8 tokens on this machine (once; cached for later runs)")
-    pads = curve_for(pair, key)[0].pads()
+    # a miss measures the curve once (its rounds go to `say`) and caches it for later runs
+    pads = curve_for(pair, loaded.cost_key(), say)[0].pads()
     if say and pads:
         say("padding verify passes " + ", ".join(f"{w}→{p}" for w, p in pads.items())
             + " tokens wide: cheaper on this BLAS (the added rows are never read; "
