@@ -1,12 +1,12 @@
 """dflash-mlx: exact block-diffusion speculative decoding (DFlash) on MLX."""
 
 # Must run before the first `import mlx` (see blas.py): Linux CPU matmuls then use OpenBLAS.
-from . import blas as _blas
+from .cpu import blas as _blas
 
 _blas.autoload()
 
-from .config import DraftConfig  # noqa: E402
-from .decode import BlockEvent, Session, stream_generate
+from .models.config import DraftConfig  # noqa: E402
+from .generate import BlockEvent, Session, stream_generate
 from .errors import DFlashError
 from .load import Pair, load, pair_from_models
 

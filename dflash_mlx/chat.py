@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from .decode import BlockEvent, Session, stream_generate
+from .generate import BlockEvent, Session, stream_generate
 from .errors import InvalidArgumentError
 
 # How a registry entry passes its reasoning level to the chat template.

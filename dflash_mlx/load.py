@@ -12,12 +12,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .config import DraftConfig
-from .draft import DFlashDraftModel
-from .draft_vocab import read as vocab_ids
+from .models.config import DraftConfig
+from .models.dflash import DFlashDraftModel
+from .models.draft_vocab import read as vocab_ids
 from .errors import CheckpointError, DFlashError, ModelNotFoundError, PairMismatchError
-from .hybrid import target_for
-from .target import Target
+from .models.hybrid import target_for
+from .models.target import Target
 
 # Never *.py (no remote code) and never *.bin / *.pt (no pickle).
 MODEL_PATTERNS = ["*.safetensors", "*.json", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt"]
@@ -150,7 +150,7 @@ def load_draft(path: str | os.PathLike, draft_bits: int = 16,
     folder = path if path.is_dir() else path.parent
     cfg = DraftConfig.from_file(folder / "config.json")
     if cfg.is_dflash2:
-        from .dflash2 import DFlash2DraftModel as cls  # noqa: N813
+        from .models.dflash2 import DFlash2DraftModel as cls  # noqa: N813
     else:
         cls = DFlashDraftModel
     model = cls(cfg)
@@ -184,7 +184,7 @@ def load_draft(path: str | os.PathLike, draft_bits: int = 16,
 
 def load_target(path: Path) -> tuple[nn.Module, object]:
     if path.is_file() and path.suffix == ".gguf":
-        from .gguf import load_gguf
+        from .gguf.reader import load_gguf
 
         return load_gguf(path)
     if not (path / "config.json").exists():

@@ -13,7 +13,7 @@ from .errors import ConfigError, InvalidArgumentError, ModelNotFoundError
 
 BUNDLED = Path(__file__).parent / "data" / "models.toml"  # a link to the repo's models.toml
 USER_ENV = "DFLASH_MLX_MODELS"
-DEMO_DRAFT = Path(__file__).parent / "demo_draft"
+DEMO_DRAFT = Path(__file__).parent / "demo" / "draft"
 EMBEDDED = "embedded:"
 DEFAULT_NAME = "smollm2-demo"
 KINDS = ("dflash", "dflash2")
@@ -178,7 +178,7 @@ def default_pair(fetch: bool = True, progress: Callable[[str], None] | None = No
             "(see `dflash-mlx models`) or --model PATH --draft PATH, or --no-draft for plain AR"
         )
     try:
-        from .demo import demo_target_path
+        from .demo.target import demo_target_path
     except ImportError:
         raise ModelNotFoundError("the embedded demo target is not available in this build") from None
     return demo_target_path(fetch=fetch, progress=progress), (DEMO_DRAFT if draft else None)
@@ -231,7 +231,7 @@ def hub_cache() -> Path:
 def is_cached(repo: str, revision: str | None = None) -> bool:
     """Whether a snapshot of `repo` (at `revision`, if given) is in the local HF cache."""
     if repo.startswith(EMBEDDED):
-        from .demo import demo_target_file
+        from .demo.target import demo_target_file
 
         return demo_target_file().is_file() if "demo_draft" not in repo else DEMO_DRAFT.is_dir()
     snaps = hub_cache() / f"models--{repo.replace('/', '--')}" / "snapshots"

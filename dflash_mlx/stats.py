@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .decode import BlockEvent
+from .generate import BlockEvent
 
 
 @dataclass

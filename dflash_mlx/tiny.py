@@ -14,8 +14,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .config import DraftConfig
-from .draft import DFlashDraftModel
+from .models.config import DraftConfig
+from .models.dflash import DFlashDraftModel
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 VOCAB_SIZE = 256 + len(SPECIALS)
@@ -167,7 +167,7 @@ def dflash2_config(target_layers: int = 6, hidden: int = 64, block_size: int = 8
 
 def make_dflash2_draft(folder: Path, cfg: DraftConfig | None = None, seed: int = 1) -> Path:
     """A random DFlash 2 draft; convs and selector get random (non-identity) weights."""
-    from .dflash2 import DFlash2DraftModel
+    from .models.dflash2 import DFlash2DraftModel
 
     mx.random.seed(seed)
     model = DFlash2DraftModel(cfg or dflash2_config())

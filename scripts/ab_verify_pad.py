@@ -19,8 +19,9 @@ import sys
 
 import dflash_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx)
 
-from dflash_mlx import prepare, registry
-from dflash_mlx.bench import DATASETS, generate_once, load_prompts
+from dflash_mlx import registry
+from dflash_mlx.cli.main import prepare
+from dflash_mlx.bench.runner import DATASETS, generate_once, load_prompts
 from dflash_mlx.errors import DFlashError
 
 SAMPLING = {"max_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}

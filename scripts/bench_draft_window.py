@@ -27,9 +27,9 @@ import dflash_mlx  # noqa: F401  (preloads the system OpenBLAS before mlx on Lin
 import mlx.core as mx
 import mlx.nn as nn
 
-from dflash_mlx.config import DraftConfig
-from dflash_mlx.dflash2 import DFlash2DraftModel
-from dflash_mlx.verify import SamplingParams
+from dflash_mlx.models.config import DraftConfig
+from dflash_mlx.models.dflash2 import DFlash2DraftModel
+from dflash_mlx.sample_utils import SamplingParams
 
 
 class StubTarget:

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import dflash_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx)
 
-from dflash_mlx.demo import load_demo_feature_target
-from dflash_mlx.train_data import distill_prompts
-from dflash_mlx.train_prompts import chat_prompts
+from dflash_mlx.demo.target import load_demo_feature_target
+from dflash_mlx.train.data import distill_prompts
+from dflash_mlx.train.prompts import chat_prompts
 
 
 def main():

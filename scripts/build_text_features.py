@@ -26,8 +26,8 @@ from pathlib import Path
 
 import dflash_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx)
 
-from dflash_mlx.demo import load_demo_feature_target
-from dflash_mlx.train_data import extract_features, text_sequences
+from dflash_mlx.demo.target import load_demo_feature_target
+from dflash_mlx.train.data import extract_features, text_sequences
 
 CAPS = {"topics": 76_800, "docs": 128_000, "code": 204_800}  # what the stage-7 draft used
 CHUNK = 512

@@ -21,8 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import test_sampling as ts  # noqa: E402  (imports dflash_mlx first: OpenBLAS preload)
-from dflash_mlx import blas, load  # noqa: E402
-from dflash_mlx.verify import rejection_sample  # noqa: E402
+from dflash_mlx import load  # noqa: E402
+from dflash_mlx.cpu import blas
+from dflash_mlx.sample_utils import rejection_sample  # noqa: E402
 
 BROKEN = {
     # name: (sampler, the cases it runs on)

@@ -14,7 +14,7 @@ from pathlib import Path
 import dflash_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx)
 import mlx.core as mx
 from dflash_mlx import load, stream_generate, tiny
-from dflash_mlx.draft import DFlashDraftModel
+from dflash_mlx.models.dflash import DFlashDraftModel
 
 PROMPT, N, BLOCK, P_WRONG = list(b"Speculative decoding "), 40, 5, 0.3
 

@@ -1,6 +1,6 @@
 """Copy a trained draft checkpoint into the package as the embedded demo draft.
 
-Usage: python scripts/export_demo_draft.py CHECKPOINT_DIR FEATURES_DIR [--out dflash_mlx/demo_draft]
+Usage: python scripts/export_demo_draft.py CHECKPOINT_DIR FEATURES_DIR [--out dflash_mlx/demo/draft]
 
 Writes config.json, model.safetensors (z-lab key names; bf16, matrices stored 8-bit by default
 to stay small) and draft_vocab.json (the restricted proposal head: the checkpoint's own when it
@@ -15,15 +15,15 @@ from pathlib import Path
 import dflash_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx)
 import mlx.core as mx
 
-from dflash_mlx import draft_vocab
-from dflash_mlx.train_data import load_shards
+from dflash_mlx.models import draft_vocab
+from dflash_mlx.train.data import load_shards
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("features", type=Path)
-    ap.add_argument("--out", type=Path, default=Path("dflash_mlx/demo_draft"))
+    ap.add_argument("--out", type=Path, default=Path("dflash_mlx/demo/draft"))
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--bits", type=int, choices=(0, 4, 8), default=8,
                     help="store matrices quantized at these bits (0: plain bf16)")

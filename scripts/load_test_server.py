@@ -23,7 +23,7 @@ from pathlib import Path
 
 
 def _one(v1: str, i: int, max_tokens: int, api_key: str | None, timeout: float) -> dict:
-    from dflash_mlx.openai_client import OpenAIClient
+    from dflash_mlx.server.openai_client import OpenAIClient
 
     messages = [{"role": "user", "content": f"Request number {i}: say something."}]
     tic = time.perf_counter()

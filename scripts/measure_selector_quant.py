@@ -26,8 +26,8 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
 from dflash_mlx import load, stream_generate, tiny
-from dflash_mlx.decode import Session
-from dflash_mlx.dflash2 import DFlash2DraftModel
+from dflash_mlx.generate import Session
+from dflash_mlx.models.dflash2 import DFlash2DraftModel
 
 
 def sample_sequences(pair, n: int, length: int, seed: int, temps) -> list[list[int]]:

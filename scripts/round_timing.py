@@ -25,9 +25,10 @@ import dflash_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx)
 import mlx.core as mx
 from mlx_lm.models import qwen3
 
-from dflash_mlx import Session, blas, pair_from_models, stream_generate
-from dflash_mlx.config import DraftConfig
-from dflash_mlx.draft import DFlashDraftModel
+from dflash_mlx import Session, pair_from_models, stream_generate
+from dflash_mlx.cpu import blas
+from dflash_mlx.models.config import DraftConfig
+from dflash_mlx.models.dflash import DFlashDraftModel
 
 TARGET = dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28, intermediate_size=3072,
               num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,

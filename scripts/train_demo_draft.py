@@ -1,4 +1,4 @@
-"""Train the embedded demo draft for SmolLM2-135M-Instruct (see dflash_mlx/demo_draft/README.md).
+"""Train the embedded demo draft for SmolLM2-135M-Instruct (see dflash_mlx/demo/draft/README.md).
 
 Usage: python scripts/train_demo_draft.py FEATURES_DIR OUT_DIR [--steps N] [--layers 2] [--resume]
 """
@@ -9,13 +9,13 @@ import sys
 import dflash_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx)
 import mlx.core as mx
 
-from dflash_mlx.demo import demo_target_path
-from dflash_mlx.draft import DFlashDraftModel
-from dflash_mlx.gguf import load_gguf
+from dflash_mlx.demo.target import demo_target_path
+from dflash_mlx.models.dflash import DFlashDraftModel
+from dflash_mlx.gguf.reader import load_gguf
 from dflash_mlx.load import convert_weights
-from dflash_mlx.target import Target
-from dflash_mlx.train import TrainConfig, new_draft_config, pick_mask_token, train
-from dflash_mlx.train_data import load_shards, split_heldout
+from dflash_mlx.models.target import Target
+from dflash_mlx.train.trainer import TrainConfig, new_draft_config, pick_mask_token, train
+from dflash_mlx.train.data import load_shards, split_heldout
 
 
 def main():

@@ -1,7 +1,7 @@
 """Self-distil and train the demo draft within a fixed time, on whatever device MLX runs on.
 
 Usage: python scripts/train_demo_draft_timed.py OUT_DIR [--distill-minutes 2.5] [--train-minutes 4]
-       [--init dflash_mlx/demo_draft] [--seed 7] [--batch 512] [--seqs 32] [--anchors 64]
+       [--init dflash_mlx/demo/draft] [--seed 7] [--batch 512] [--seqs 32] [--anchors 64]
 
 The whole recipe in one run, sized by the clock rather than by counts, so one command fits a
 short lease of a fast machine (an MLX CUDA GPU does in minutes what the 2-core CPU does in
@@ -19,13 +19,13 @@ from pathlib import Path
 import dflash_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx)
 import mlx.core as mx
 
-from dflash_mlx import draft_vocab
-from dflash_mlx.demo import load_demo_feature_target
+from dflash_mlx.models import draft_vocab
+from dflash_mlx.demo.target import load_demo_feature_target
 from dflash_mlx.load import check_pair, load_draft
-from dflash_mlx.train import TrainConfig, train
-from dflash_mlx.train_data import load_shards, self_distill_features, split_heldout
-from dflash_mlx.train_eval import heldout_batches, heldout_tau, walk_tau
-from dflash_mlx.train_prompts import chat_prompts
+from dflash_mlx.train.trainer import TrainConfig, train
+from dflash_mlx.train.data import load_shards, self_distill_features, split_heldout
+from dflash_mlx.train.eval import heldout_batches, heldout_tau, walk_tau
+from dflash_mlx.train.prompts import chat_prompts
 
 
 def log(msg: str) -> None:

@@ -39,11 +39,12 @@ import time
 import dflash_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx)
 import mlx.core as mx
 
-from dflash_mlx import prepare, registry, stream_generate
-from dflash_mlx.bench import DATASETS, load_prompts
-from dflash_mlx.draft import joint_keep as keep_joint  # the engine's own rule
+from dflash_mlx import registry, stream_generate
+from dflash_mlx.cli.main import prepare
+from dflash_mlx.bench.runner import DATASETS, load_prompts
+from dflash_mlx.models.dflash import joint_keep as keep_joint  # the engine's own rule
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.lookup import merge
+from dflash_mlx.proposal import merge
 
 THRESHOLDS = (0.0, 0.03, 0.05, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
 

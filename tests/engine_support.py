@@ -8,8 +8,8 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import load
-from dflash_mlx.draft import DFlashDraftModel
-from dflash_mlx.target import Target
+from dflash_mlx.models.dflash import DFlashDraftModel
+from dflash_mlx.models.target import Target
 
 
 def float32_pair(target_dir, draft_dir, draft_cls, target_cls=None):

@@ -95,7 +95,7 @@ class Server:
         return self.proc.returncode
 
 
-def start(args: list[str], log: Path, port: int | None = None, module: str = "dflash_mlx.cli",
+def start(args: list[str], log: Path, port: int | None = None, module: str = "dflash_mlx.cli.main",
           serve: bool = True) -> Server:
     """Start a server process in the background (call `wait_ready` before using it)."""
     port = port or free_port()

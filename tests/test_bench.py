@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from dflash_mlx import bench
+from dflash_mlx.bench import runner as bench
 from dflash_mlx.cli import app
 
 runner = CliRunner()
@@ -45,7 +45,7 @@ def test_first_divergence():
 
 def test_runs_interleave_and_alternate(tiny, monkeypatch):
     from dflash_mlx.load import load
-    from dflash_mlx.prepare import encoder
+    from dflash_mlx.cli.prepare import encoder
 
     pair = load(tiny.oracle_target, tiny.oracle_draft, min_confidence=0.0)
     order = []

@@ -150,7 +150,7 @@ def test_events_jsonl_schema(tiny, tmp_path):
 
 
 def test_ctrl_c_stops_at_a_block_boundary(tiny, monkeypatch):
-    import dflash_mlx.decode as decode
+    import dflash_mlx.generate as decode
 
     real = decode.stream_generate
 
@@ -179,7 +179,7 @@ def _tamper_ar(monkeypatch, scale):
     """The AR run of the parity check sees different target weights (a tampered target)."""
     import mlx.core as mx
 
-    import dflash_mlx.bench as bench
+    import dflash_mlx.bench.runner as bench
 
     real = bench.generate_once
 
@@ -223,7 +223,7 @@ def test_block_size_auto_measures_once_then_uses_the_cache(tiny, isolated_cache)
 
 
 def test_verify_padding_follows_the_measured_curve(tiny, isolated_cache, tmp_path):
-    from dflash_mlx import doctor
+    from dflash_mlx.cli.main import doctor
 
     path = tmp_path / "ev.jsonl"
 
@@ -271,7 +271,7 @@ def test_registry_name_and_draft_lookup(tiny, registry_file):
 
 
 def test_default_pair_until_and_after_the_demo_draft_lands(tiny, monkeypatch):
-    import dflash_mlx.demo as demo
+    import dflash_mlx.demo.target as demo
     import dflash_mlx.registry as registry
 
     monkeypatch.setattr(registry, "DEMO_DRAFT", tiny.root / "not-there")
@@ -298,7 +298,7 @@ def test_models_table_and_json(tiny, registry_file, isolated_cache, monkeypatch,
 
 
 def test_fetch_demo_prints_the_path(monkeypatch, tmp_path):
-    import dflash_mlx.demo as demo
+    import dflash_mlx.demo.target as demo
 
     target = tmp_path / "demo.gguf"
 

@@ -12,8 +12,8 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from dflash_mlx.config import DraftConfig, build_target_layer_ids
-from dflash_mlx.draft import KEY_REMAP, DFlashDraftModel
+from dflash_mlx.models.config import DraftConfig, build_target_layer_ids
+from dflash_mlx.models.dflash import KEY_REMAP, DFlashDraftModel
 from dflash_mlx.errors import CheckpointError, ConfigError
 from dflash_mlx.load import load_draft
 

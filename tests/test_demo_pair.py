@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dflash_mlx import load, stream_generate
-from dflash_mlx.bench import check_parity
+from dflash_mlx.bench.runner import check_parity
 from dflash_mlx.chat import apply_template
 from dflash_mlx.registry import default_pair
 from dflash_mlx.stats import Stats

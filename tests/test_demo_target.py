@@ -14,9 +14,9 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.tokenizer_utils import _byte_decoder
 
-from dflash_mlx import demo
+from dflash_mlx.demo import target as demo
 from dflash_mlx.errors import CheckpointError, ModelNotFoundError
-from dflash_mlx.gguf import load_gguf, read_gguf
+from dflash_mlx.gguf.reader import load_gguf, read_gguf
 
 pytestmark = pytest.mark.demo
 

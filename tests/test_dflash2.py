@@ -13,13 +13,13 @@ from mlx.utils import tree_flatten
 from scipy.stats import chisquare
 
 from dflash_mlx import load, stream_generate, tiny
-from dflash_mlx.config import DraftConfig
-from dflash_mlx.decode import Session
-from dflash_mlx.dflash2 import DFlash2DraftModel, GroupedDynamicConv
-from dflash_mlx.draft import DFlashDraftModel
+from dflash_mlx.models.config import DraftConfig
+from dflash_mlx.generate import Session
+from dflash_mlx.models.dflash2 import DFlash2DraftModel, GroupedDynamicConv
+from dflash_mlx.models.dflash import DFlashDraftModel
 from dflash_mlx.errors import CheckpointError, ConfigError
 from dflash_mlx.load import load_draft
-from dflash_mlx.verify import SamplingParams, rejection_sample, sampling_probs
+from dflash_mlx.sample_utils import SamplingParams, rejection_sample, sampling_probs
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints"
 V = 32  # the sampling tests use a small vocabulary so every cell of the chi-square is filled

@@ -8,7 +8,8 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from dflash_mlx import blas, doctor
+from dflash_mlx.cpu import blas
+from dflash_mlx.cli.main import doctor
 from dflash_mlx.cli import app
 
 runner = CliRunner()

@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflash_mlx import load, stream_generate
-from dflash_mlx.decode import Session
+from dflash_mlx.generate import Session
 from dflash_mlx.load import convert_weights, load_draft, pair_from_models
-from dflash_mlx.target import Target
+from dflash_mlx.models.target import Target
 from dflash_mlx import tiny
 from engine_support import (
     Oracle, OracleDraft, RecordingTarget, cache_arrays, float32_pair, mlx_lm_greedy,
@@ -325,7 +325,7 @@ def test_restricted_draft_head(tiny_dirs, tmp_path, weights):
     import json
     import shutil
 
-    from dflash_mlx import draft_vocab
+    from dflash_mlx.models import draft_vocab
 
     t, d = tiny_dirs
     qt = tmp_path / "qtarget"
@@ -362,7 +362,7 @@ def test_restricted_head_generates_from_another_thread(tiny_dirs, tmp_path):
     import shutil
     import threading
 
-    from dflash_mlx import draft_vocab
+    from dflash_mlx.models import draft_vocab
 
     folder = tmp_path / "draft"
     shutil.copytree(tiny_dirs[1], folder)

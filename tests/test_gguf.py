@@ -9,7 +9,7 @@ import pytest
 import regex
 
 from dflash_mlx.errors import CheckpointError, ModelNotFoundError
-from dflash_mlx.gguf import (
+from dflash_mlx.gguf.reader import (
     FreqRoPE,
     build_model,
     load_gguf,
@@ -17,7 +17,7 @@ from dflash_mlx.gguf import (
     read_gguf,
     remap_key,
 )
-from dflash_mlx.gguf_tokenizer import build_tokenizer, build_tokenizer_object
+from dflash_mlx.gguf.tokenizer import build_tokenizer, build_tokenizer_object
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 USER_DEFINED = ["<tool>"]

@@ -14,11 +14,11 @@ from mlx_lm.models import qwen3_5
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from dflash_mlx import load, stream_generate, tiny
-from dflash_mlx.decode import Session
-from dflash_mlx.draft import DFlashDraftModel
-from dflash_mlx.hybrid import HybridCache, HybridTarget, RollbackError, _CapturingGDN
-from dflash_mlx.target import Target
-from dflash_mlx.verify import SamplingParams, sampling_probs
+from dflash_mlx.generate import Session
+from dflash_mlx.models.dflash import DFlashDraftModel
+from dflash_mlx.models.hybrid import HybridCache, HybridTarget, RollbackError, _CapturingGDN
+from dflash_mlx.models.target import Target
+from dflash_mlx.sample_utils import SamplingParams, sampling_probs
 from engine_support import Recording, float32_pair
 from test_dflash2 import pooled_chisquare
 

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 from dflash_mlx import stream_generate, tiny
-from dflash_mlx.decode import BlockEvent
-from dflash_mlx.draft import DFlashDraftModel
-from dflash_mlx.lookup import LOOKUP_CONFIDENCE, MATCH_CAP, UNSURE, Hint, find, merge
-from dflash_mlx.render import stats_lines
+from dflash_mlx.generate import BlockEvent
+from dflash_mlx.models.dflash import DFlashDraftModel
+from dflash_mlx.proposal import LOOKUP_CONFIDENCE, MATCH_CAP, UNSURE, Hint, find, merge
+from dflash_mlx.cli.render import stats_lines
 from dflash_mlx.stats import Stats
-from dflash_mlx.verify import SamplingParams
+from dflash_mlx.sample_utils import SamplingParams
 from engine_support import float32_pair, mlx_lm_greedy
 from test_sampling import chi_square, target_rows
 from tui.turn import LOOKUP, TARGET, token_labels

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from dflash_mlx import load, stream_generate, tiny
-from dflash_mlx.draft import DFlashDraftModel
+from dflash_mlx.models.dflash import DFlashDraftModel
 from dflash_mlx.errors import InvalidArgumentError
 from dflash_mlx.load import CPU_MIN_CONFIDENCE, pair_from_models
-from dflash_mlx.verify import SamplingParams
+from dflash_mlx.sample_utils import SamplingParams
 from engine_support import float32_pair, mlx_lm_greedy
 from test_sampling import PROMPT, chi_square, target_rows
 

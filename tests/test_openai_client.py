@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 import server_support as ss
 from dflash_mlx.cli import app
-from dflash_mlx.openai_client import (Completion, OpenAIClient, ServerError, Stream,
+from dflash_mlx.server.openai_client import (Completion, OpenAIClient, ServerError, Stream,
                                       vllm_counters, vllm_speculation)
 
 runner = CliRunner()

@@ -127,7 +127,7 @@ def test_hub_cache_detection(tmp_path, monkeypatch):
 
 
 def test_default_pair_needs_the_demo_draft(tmp_path, monkeypatch):
-    import dflash_mlx.demo as demo
+    import dflash_mlx.demo.target as demo
 
     monkeypatch.setattr(registry, "DEMO_DRAFT", tmp_path / "missing")
     fetched = []

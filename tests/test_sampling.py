@@ -26,8 +26,8 @@ import pytest
 from scipy import stats
 
 from dflash_mlx import Session, load, stream_generate, tiny
-from dflash_mlx.draft import DFlashDraftModel
-from dflash_mlx.verify import (
+from dflash_mlx.models.dflash import DFlashDraftModel
+from dflash_mlx.sample_utils import (
     SamplingParams, accept_prefix, greedy_accept, rejection_sample, sampling_probs,
 )
 from engine_support import float32_pair

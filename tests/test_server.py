@@ -293,7 +293,7 @@ def test_reasoning_effort_and_chat_template_kwargs_reach_the_template(engine):
     from types import SimpleNamespace
 
     from dflash_mlx.registry import Entry
-    from dflash_mlx.server_request import APIError, ServerConfig, prompt_ids
+    from dflash_mlx.server.request import APIError, ServerConfig, prompt_ids
 
     tok = _Tokenizer(engine.pair.tokenizer)
     pair = SimpleNamespace(tokenizer=tok, target=engine.pair.target)

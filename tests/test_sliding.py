@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from dflash_mlx import load, stream_generate, tiny
-from dflash_mlx.config import DraftConfig
-from dflash_mlx.decode import Session, prefill
-from dflash_mlx.dflash2 import DFlash2DraftModel
-from dflash_mlx.draft import Attention, ContextCache, DFlashDraftModel
+from dflash_mlx.models.config import DraftConfig
+from dflash_mlx.generate import Session, prefill
+from dflash_mlx.models.dflash2 import DFlash2DraftModel
+from dflash_mlx.models.dflash import Attention, ContextCache, DFlashDraftModel
 from dflash_mlx.errors import DFlashError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints"

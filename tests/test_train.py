@@ -11,14 +11,14 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import load, stream_generate, tiny
-from dflash_mlx.draft import DFlashDraftModel
+from dflash_mlx.models.dflash import DFlashDraftModel
 from dflash_mlx.load import load_draft
 from dflash_mlx.stats import Stats
-from dflash_mlx.train import (
+from dflash_mlx.train.trainer import (
     BlockSampler, TrainConfig, new_draft_config, packed_hidden, pick_mask_token, train,
 )
-from dflash_mlx.train_data import extract_features, load_shards, split_heldout
-from dflash_mlx.train_eval import heldout_tau
+from dflash_mlx.train.data import extract_features, load_shards, split_heldout
+from dflash_mlx.train.eval import heldout_tau
 
 
 def _predictable_target(folder: Path):
@@ -56,7 +56,7 @@ def trained(tmp_path_factory):
     evals = BlockSampler(held, 8, cfg.mask_token_id, 123)
     batches = [evals.batch(8, 8) for _ in range(8)]
     tau0, _ = heldout_tau(draft, batches, 5)
-    from dflash_mlx.train_eval import walk_tau
+    from dflash_mlx.train.eval import walk_tau
 
     walk0 = walk_tau(draft, held, 5)
     tc = TrainConfig(steps=300, lr=1e-3, warmup=20, eval_every=100, checkpoint_every=100,
@@ -130,7 +130,7 @@ def test_anchors_come_from_answers_only():
     inference: anchors start at the last prompt token, so held-out τ measures answers only."""
     import numpy as np
 
-    from dflash_mlx.train_data import FeatureShard
+    from dflash_mlx.train.data import FeatureShard
 
     lengths, answers, bases = [40, 50, 12], [30, 5, 0], [0, 100, 200]
     tokens = np.concatenate([b + np.arange(n) for b, n in zip(bases, lengths)]).astype(np.int32)
@@ -154,7 +154,7 @@ def test_labels_stop_where_the_text_leaves_the_targets_greedy_chain():
     are the target's own predictions (the chain greedy decoding would have produced)."""
     import numpy as np
 
-    from dflash_mlx.train_data import FeatureShard
+    from dflash_mlx.train.data import FeatureShard
 
     n = 60
     tokens = np.arange(n, dtype=np.int32)
@@ -180,7 +180,7 @@ def test_a_shard_linked_twice_is_loaded_once(tmp_path):
     copied (they are most of the memory training needs)."""
     import numpy as np
 
-    from dflash_mlx.train_data import FeatureShard
+    from dflash_mlx.train.data import FeatureShard
 
     src = tmp_path / "src"
     src.mkdir()
@@ -202,8 +202,8 @@ def test_a_shard_linked_twice_is_loaded_once(tmp_path):
 def test_restricted_loss_trains_the_head_used_at_inference(trained):
     """`head_vocab`: the loss goes through the rows the draft proposes from; labels outside
     them carry no loss, draft_vocab.json lands next to the checkpoint, τ still rises."""
-    from dflash_mlx import draft_vocab
-    from dflash_mlx.train import block_loss, position_weights
+    from dflash_mlx.models import draft_vocab
+    from dflash_mlx.train.trainer import block_loss, position_weights
 
     t = trained
     mx.random.seed(1)
@@ -228,8 +228,8 @@ def test_restricted_loss_trains_the_head_used_at_inference(trained):
 def test_fine_tuning_can_keep_the_head_it_started_with(trained):
     """`head_ids`: the trainer goes through exactly the given proposal ids (a fine-tune on a
     small set keeps its starting draft's head) instead of the data's most frequent ones."""
-    from dflash_mlx import draft_vocab
-    from dflash_mlx.draft_vocab import most_frequent
+    from dflash_mlx.models import draft_vocab
+    from dflash_mlx.models.draft_vocab import most_frequent
 
     t = trained
     chosen, _ = most_frequent((s.preds for s in t["shards"]), 160)
@@ -247,7 +247,7 @@ def test_fine_tuning_can_keep_the_head_it_started_with(trained):
 def _shard(first: int, lengths: list[int]):
     import numpy as np
 
-    from dflash_mlx.train_data import FeatureShard
+    from dflash_mlx.train.data import FeatureShard
 
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     n = int(starts[-1])
@@ -326,7 +326,7 @@ def test_train_draft_cli_end_to_end(tmp_path):
 def test_target_tail_rebuilds_the_targets_logits(tmp_path):
     """The layers above the deepest tap, the final norm and the head turn the stored taps
     back into the target's own logits: what soft labels are made of."""
-    from dflash_mlx.train_soft import TargetTail
+    from dflash_mlx.train.soft import TargetTail
 
     pair = load(tiny.make_target(tmp_path / "target"), None, weights="float32")
     taps = new_draft_config(pair.target, num_layers=1, mask_token_id=0).target_layer_ids
@@ -347,8 +347,8 @@ def test_soft_labels_train_the_draft(trained):
     """`soft_labels`: half the loss on the target's whole distribution. The rebuilt logits
     agree with the stored predictions, loss falls, τ rises; a one-hot distribution gives
     exactly the argmax loss."""
-    from dflash_mlx.train import block_loss, position_weights
-    from dflash_mlx.train_soft import TargetTail
+    from dflash_mlx.train.trainer import block_loss, position_weights
+    from dflash_mlx.train.soft import TargetTail
 
     t = trained
     mx.random.seed(2)
@@ -373,7 +373,7 @@ def test_soft_labels_refuse_a_tail_that_is_not_the_target(trained):
     """If the rebuilt logits do not give back the stored predictions, soft labels would teach
     another model: training stops with a clear error instead."""
     from dflash_mlx.errors import TrainingDataError
-    from dflash_mlx.train_soft import TargetTail
+    from dflash_mlx.train.soft import TargetTail
 
     t = trained
     draft = DFlashDraftModel(t["cfg"]).bind(t["pair"].target)
@@ -405,7 +405,7 @@ def test_minutes_cuts_the_schedule_to_fit(trained, tmp_path):
     end, with a checkpoint, and the learning rate has decayed to ~0 there."""
     import time
 
-    from dflash_mlx.draft import DFlashDraftModel
+    from dflash_mlx.models.dflash import DFlashDraftModel
 
     mx.random.seed(1)
     draft = DFlashDraftModel(trained["cfg"]).bind(trained["pair"].target)
@@ -427,8 +427,8 @@ def test_walked_rounds_are_the_engines_rounds(trained):
     import numpy as np
 
     from dflash_mlx.load import pair_from_models
-    from dflash_mlx.train_eval import walk_runs, walk_tau
-    from dflash_mlx.train_data import FeatureShard
+    from dflash_mlx.train.eval import walk_runs, walk_tau
+    from dflash_mlx.train.data import FeatureShard
 
     pair, draft = trained["pair"], trained["draft"]
     live = pair_from_models(pair.target.model, pair.tokenizer, draft)

@@ -7,10 +7,10 @@ import re
 import numpy as np
 
 from dflash_mlx import load, tiny
-from dflash_mlx.bench import DATASETS, load_prompts
-from dflash_mlx.config import build_target_layer_ids
-from dflash_mlx.train_data import _chat_ids, load_shards, self_distill_features
-from dflash_mlx.train_prompts import chat_prompts, stdlib_functions
+from dflash_mlx.bench.runner import DATASETS, load_prompts
+from dflash_mlx.models.config import build_target_layer_ids
+from dflash_mlx.train.data import _chat_ids, load_shards, self_distill_features
+from dflash_mlx.train.prompts import chat_prompts, stdlib_functions
 
 
 def test_prompts_are_seeded_distinct_and_cover_every_family():

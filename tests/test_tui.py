@@ -11,7 +11,7 @@ import pytest
 
 from dflash_mlx import load
 from dflash_mlx.chat import apply_template
-from dflash_mlx.decode import BlockEvent
+from dflash_mlx.generate import BlockEvent
 from dflash_mlx.errors import ModelNotFoundError
 from dflash_mlx.tiny import make_draft, make_target
 from tui import transcript as tr

@@ -11,7 +11,7 @@ from textual import work
 from textual.worker import get_current_worker
 
 from dflash_mlx.chat import apply_template
-from dflash_mlx.decode import stream_generate
+from dflash_mlx.generate import stream_generate
 from dflash_mlx.stats import Stats
 
 from . import transcript as tr

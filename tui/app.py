@@ -22,7 +22,7 @@ from textual.widgets import Footer
 from textual.worker import get_current_worker
 
 from dflash_mlx.chat import Conversation
-from dflash_mlx.decode import BlockEvent
+from dflash_mlx.generate import BlockEvent
 
 from . import transcript as tr
 from .actions import ChatActions

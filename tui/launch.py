@@ -21,11 +21,12 @@ def registry_loader(settings: ChatSettings, *, model: str | None = None,
     Args:
         block_size: a size, or "auto" (from the measured verify cost, as in `generate`).
         min_confidence: the cut of unsure draft slots (None: the device's default).
-        lookup: context lookup for the draft's unsure slots (dflash_mlx/lookup.py).
+        lookup: context lookup for the draft's unsure slots (dflash_mlx/proposal.py).
     """
 
     def loader(progress):
-        from dflash_mlx import prepare, registry
+        from dflash_mlx import registry
+        from dflash_mlx.cli.main import prepare
 
         spec = registry.resolve(model, draft, no_draft)
         registry.reasoning_kwargs(spec.entry, settings.reasoning)  # checks the level

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from dflash_mlx.chat import Conversation
-from dflash_mlx.decode import BlockEvent
+from dflash_mlx.generate import BlockEvent
 
 
 @dataclass

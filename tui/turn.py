@@ -4,7 +4,7 @@ Pure logic (no widgets), so it is tested directly and reused to replay a saved t
 
 Provenance labels, one per committed token and then one per character of text:
 ``0`` none (user text, unknown), ``1..B-1`` an accepted draft token at that block position,
-``LOOKUP`` an accepted token the context lookup filled in (dflash_mlx/lookup.py), ``TARGET``
+``LOOKUP`` an accepted token the context lookup filled in (dflash_mlx/proposal.py), ``TARGET``
 the target's own token (the correction after a rejection, or the bonus token).
 """
 
@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from dflash_mlx.decode import BlockEvent
+from dflash_mlx.generate import BlockEvent
 from dflash_mlx.stats import Stats
 
 TARGET = 16

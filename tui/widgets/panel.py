@@ -9,8 +9,8 @@ from textual.containers import Vertical
 from textual.content import Content
 from textual.widgets import Sparkline, Static
 
-from dflash_mlx.decode import BlockEvent
-from dflash_mlx.render import slot_glyphs
+from dflash_mlx.generate import BlockEvent
+from dflash_mlx.cli.render import slot_glyphs
 from dflash_mlx.stats import Stats, break_even_tau
 
 from .provenance import ProvenanceLegend

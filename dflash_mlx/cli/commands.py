@@ -1,0 +1,164 @@
+"""More `dflash-mlx` commands: chat, serve, train-draft, fetch-demo (registered on import)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from . import render
+from .options import (
+    DEFAULT_BLOCK_SIZE, DEFAULT_MAX_TOKENS, S, BlockSizeOpt, DraftBitsOpt, DraftOpt, MaxTokensOpt,
+    LookupOpt, MinConfidenceOpt,
+    ModelOpt, NoDraftOpt, ReasoningOpt, SeedOpt, SystemOpt, TempOpt, TopKOpt, TopPOpt, WeightsOpt,
+    app,
+)
+from ..errors import DFlashError
+
+
+@app.command()
+def chat(
+    model: ModelOpt = None,
+    draft: DraftOpt = None,
+    no_draft: NoDraftOpt = False,
+    block_size: BlockSizeOpt = DEFAULT_BLOCK_SIZE,
+    draft_bits: DraftBitsOpt = None,
+    weights: WeightsOpt = "auto",
+    min_confidence: MinConfidenceOpt = None,
+    lookup: LookupOpt = True,
+    max_tokens: MaxTokensOpt = 2048,
+    temp: TempOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    seed: SeedOpt = None,
+    reasoning: ReasoningOpt = None,
+    system_prompt: SystemOpt = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Reopen the last saved chat.")] = False,
+):
+    """Chat in a terminal UI that shows what speculation is doing (Ctrl+Q quits)."""
+    from tui.launch import registry_loader, run_chat
+    from tui.settings import ChatSettings
+
+    from . import prepare
+
+    prepare.check_sampling(max_tokens, temp, top_p, top_k, seed)
+    prepare.check_load_options(draft_bits, weights, min_confidence)
+    (requested,) = [1] if no_draft else prepare.parse_block_sizes(block_size, allow_list=False)
+    settings = ChatSettings(block_size=requested if isinstance(requested, int) else 5,
+                            temperature=temp, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                            seed=seed, reasoning=reasoning, system_prompt=system_prompt)
+    loader = registry_loader(settings, model=model, draft=draft, no_draft=no_draft,
+                             draft_bits=draft_bits, weights=weights, block_size=requested,
+                             min_confidence=min_confidence, lookup=lookup)
+    raise typer.Exit(run_chat(settings, loader, resume=resume))
+
+
+@app.command()
+def serve(
+    model: ModelOpt = None,
+    draft: DraftOpt = None,
+    no_draft: NoDraftOpt = False,
+    block_size: BlockSizeOpt = DEFAULT_BLOCK_SIZE,
+    draft_bits: DraftBitsOpt = None,
+    weights: WeightsOpt = "auto",
+    min_confidence: MinConfidenceOpt = None,
+    lookup: LookupOpt = True,
+    host: Annotated[str, typer.Option(
+        help="Address to listen on; 0.0.0.0 opens the server to the network.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port; 0 picks a free one.")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(
+        envvar="DFLASH_MLX_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*.")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(
+        help="The model id clients send (default: the models.toml name, or --model).")] = None,
+    queue_size: Annotated[int, typer.Option(
+        help="Requests that may wait while one generates; beyond that, 503.")] = 64,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level (info: one line per "
+                                           "request).")] = "info",
+    max_tokens: Annotated[int, typer.Option(
+        help="Most tokens when a request sets none.", rich_help_panel=S)] = DEFAULT_MAX_TOKENS,
+    temp: Annotated[float, typer.Option(
+        help="Temperature when a request sets none; 0 is greedy.", rich_help_panel=S)] = 0.0,
+    top_p: Annotated[float, typer.Option(help="top_p when a request sets none.",
+                                         rich_help_panel=S)] = 1.0,
+    top_k: Annotated[int, typer.Option(help="top_k when a request sets none; 0 keeps all.",
+                                       rich_help_panel=S)] = 0,
+):
+    """Serve the pair over an OpenAI-compatible API: /v1/chat/completions, /v1/completions
+    (streaming or not), /v1/models, /health. One generation at a time, the rest queued."""
+    from . import prepare
+    from .. import registry
+    from ..server import cli as server_cli
+
+    prepare.check_sampling(max_tokens, temp, top_p, top_k, None)
+    (requested,) = [1] if no_draft else prepare.parse_block_sizes(block_size, allow_list=False)
+    server_cli.serve(registry.resolve(model, draft, no_draft), requested, draft_bits=draft_bits,
+                     weights=weights, min_confidence=min_confidence, lookup=lookup, host=host,
+                     port=port, api_key=api_key,
+                     model_name=served_model_name, queue_size=queue_size, log_level=log_level,
+                     defaults={"max_tokens": max_tokens, "temperature": temp, "top_p": top_p,
+                               "top_k": top_k})
+
+
+@app.command("train-draft")
+def train_draft(
+    out: Annotated[Path, typer.Option(help="Output folder: the draft (z-lab format) and its "
+                                      "checkpoints.")],
+    model: Annotated[Optional[str], typer.Option(
+        help="Target: path, Hub repo or .gguf (default: the embedded SmolLM2 target).")] = None,
+    features: Annotated[Optional[Path], typer.Option(
+        help="Feature cache folder (default OUT/features); built once when empty.")] = None,
+    prompts: Annotated[int, typer.Option(help="Chat prompts the target answers itself.")] = 2048,
+    max_tokens: Annotated[int, typer.Option(help="Longest self-distilled answer.")] = 160,
+    batch: Annotated[int, typer.Option(help="Prompts decoded together while distilling.")] = 64,
+    sampled_fraction: Annotated[float, typer.Option(
+        help="Share of answers sampled at T=0.7 instead of greedy.")] = 0.25,
+    text: Annotated[Optional[list[Path]], typer.Option(
+        help="Plain-text files to teacher-force as extra data (repeatable).")] = None,
+    layers: Annotated[int, typer.Option(help="Draft decoder layers.")] = 2,
+    block_size: Annotated[int, typer.Option(help="Trained block size (inference may use ≤).")] = 8,
+    steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 4000,
+    minutes: Annotated[float, typer.Option(
+        help="Train for this long at most: the step count and cosine schedule are cut to fit, "
+             "timed on the first steps (0: no limit).")] = 0.0,
+    lr: Annotated[float, typer.Option(help="Peak AdamW learning rate.")] = 6e-4,
+    seqs: Annotated[int, typer.Option(help="Sequences per optimizer step.")] = 2,
+    anchors: Annotated[int, typer.Option(help="Blocks per sequence per step.")] = 24,
+    heldout: Annotated[int, typer.Option(help="Sequences held out for the τ estimate.")] = 24,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from OUT's checkpoint.")] = False,
+    init: Annotated[Optional[Path], typer.Option(
+        help="Start from this draft's weights (fine-tune); its depth and block size are kept.")] = None,
+    seed: Annotated[int, typer.Option(help="Data and initialisation seed.")] = 0,
+    vocab: Annotated[int, typer.Option(
+        help="Ship a restricted proposal head of this many frequent tokens (0: none).")] = 8192,
+    restricted_loss: Annotated[bool, typer.Option(
+        "--restricted-loss/--full-loss",
+        help="Train through the restricted head the draft proposes from (faster), or the full one.")] = True,
+    soft_labels: Annotated[float, typer.Option(
+        help="Weight (0-1) of a loss on the target's whole next-token distribution, rebuilt "
+             "from the deepest tap; the rest stays on its argmax.")] = 0.0,
+    weights: WeightsOpt = "auto",
+):
+    """Train a DFlash draft for a target: self-distilled features, then block training."""
+    from ..train import cli as train_cli
+
+    if model is None:
+        from ..registry import default_pair
+
+        model = str(default_pair(draft=False, progress=render.note)[0])
+    train_cli.run(model, out, features=features, prompts=prompts, max_tokens=max_tokens,
+                  batch=batch, sampled_fraction=sampled_fraction, texts=text or [],
+                  layers=layers, block_size=block_size, steps=steps, lr=lr, heldout=heldout,
+                  seqs=seqs, anchors=anchors, minutes=minutes,
+                  resume=resume, seed=seed, weights=weights, vocab=vocab,
+                  restricted_loss=restricted_loss, init=init, soft_labels=soft_labels)
+
+
+@app.command("fetch-demo")
+def fetch_demo():
+    """Download the embedded demo target (SmolLM2-135M-Instruct GGUF, 98 MB) through pip."""
+    try:
+        from ..demo.target import demo_target_path
+    except ImportError:
+        raise DFlashError("the demo target is not available in this build") from None
+    typer.echo(str(demo_target_path(fetch=True, progress=render.note)))

@@ -1,0 +1,334 @@
+"""The `dflash-mlx` command line.
+
+Model text goes to stdout, everything else to stderr. A `DFlashError` becomes one line on
+stderr and exit code 2 in every command (see `App`); Ctrl-C during generation exits 130.
+Heavy imports (mlx, the engine) happen inside the commands.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from . import render
+from .options import (  # the app and the options shared with cli_more
+    DEFAULT_BLOCK_SIZE, DEFAULT_MAX_TOKENS, R, ApiKeyOpt, BackendOpt, BaseUrlOpt, BlockSizeOpt,
+    DraftBitsOpt, DraftOpt, LookupOpt, MaxTokensOpt, MinConfidenceOpt, ModelOpt, NoDraftOpt,
+    NoTemplateOpt, PadVerifyOpt, ReasoningOpt, SeedOpt, SystemOpt, TempOpt, TopKOpt, TopPOpt,
+    WeightsOpt, app,
+)
+from ..errors import InvalidArgumentError
+
+
+def _say(quiet: bool):
+    return None if quiet else render.progress
+
+
+@app.command()
+def generate(
+    prompt_arg: Annotated[Optional[str], typer.Argument(
+        metavar="PROMPT", help="The prompt; - reads stdin.", show_default=False)] = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt (- reads stdin).")] = None,
+    model: ModelOpt = None,
+    draft: DraftOpt = None,
+    no_draft: NoDraftOpt = False,
+    block_size: BlockSizeOpt = DEFAULT_BLOCK_SIZE,
+    draft_bits: DraftBitsOpt = None,
+    weights: WeightsOpt = "auto",
+    min_confidence: MinConfidenceOpt = None,
+    lookup: LookupOpt = True,
+    pad_verify: PadVerifyOpt = True,
+    max_tokens: MaxTokensOpt = DEFAULT_MAX_TOKENS,
+    temp: TempOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    seed: SeedOpt = None,
+    system_prompt: SystemOpt = None,
+    reasoning: ReasoningOpt = None,
+    no_chat_template: NoTemplateOpt = False,
+    events: Annotated[Optional[Path], typer.Option(
+        help="Write one JSON object per block and a final summary to this .jsonl file.",
+        rich_help_panel="Output")] = None,
+    check_parity: Annotated[bool, typer.Option(
+        "--check-parity", help="Then run plain AR greedy and report the first divergence, its "
+        "logit margin and near-tie vs mismatch (exit 1 on a mismatch). Greedy only.",
+        rich_help_panel="Output")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No stats or progress.",
+                                        rich_help_panel="Output")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Add one line per block.",
+                                          rich_help_panel="Output")] = False,
+    backend: BackendOpt = "local",
+    base_url: BaseUrlOpt = None,
+    api_key: ApiKeyOpt = None,
+):
+    """Generate a reply: DFlash speculative decoding, exactly the target's own output."""
+    from . import prepare
+    from .. import registry
+    from ..server import cli as server_cli
+
+    sampling = prepare.check_sampling(max_tokens, temp, top_p, top_k, seed)
+    if server_cli.is_remote(backend, base_url):
+        if check_parity or events or verbose:
+            raise InvalidArgumentError("--check-parity, --events and --verbose need the local "
+                                       "engine (--backend local)")
+        text = prepare.read_prompt(prompt_arg, prompt)
+        return server_cli.generate(base_url, api_key, model, text, system_prompt, reasoning,
+                                   not no_chat_template, sampling, quiet)
+    (requested,) = [1] if no_draft else prepare.parse_block_sizes(block_size, allow_list=False)
+    if check_parity and temp > 0:
+        raise InvalidArgumentError("--check-parity compares greedy outputs: use it with --temp 0")
+    text = prepare.read_prompt(prompt_arg, prompt)
+    spec = registry.resolve(model, draft, no_draft)
+    template_kwargs = registry.reasoning_kwargs(spec.entry, reasoning)
+    writer = render.EventsWriter(events) if events else None
+    pair, loaded = prepare.open_pair(spec, draft_bits, weights, _say(quiet), min_confidence,
+                                      lookup, pad_verify)
+    block = prepare.choose_block(pair, loaded, requested, None if quiet else render.note)
+    ids = prepare.prompt_ids(pair, text, system_prompt, template_kwargs, not no_chat_template)
+    stats, tokens, interrupted, peak = _stream(pair, ids, block, sampling, writer, verbose)
+    if not quiet:
+        for line in render.stats_lines(stats, peak, block):
+            render.err.print(line, soft_wrap=True, markup=False)
+    parity = None
+    if check_parity and not interrupted:
+        from ..bench.runner import check_parity as run_parity
+
+        parity = run_parity(pair, ids, tokens, max_tokens)
+        render.parity(pair, parity)
+    if writer:
+        from .doctor import versions
+
+        writer.summary({
+            "versions": versions(), **loaded.models(), "block_size": block,
+            "min_confidence": pair.min_confidence, "lookup": pair.lookup,
+            "verify_pad": pair.verify_pad, "sampling": sampling, "chat_template": not no_chat_template, "reasoning": reasoning,
+            "prompt_ids": len(ids), "stats": stats.as_dict(), "peak_memory_gb": round(peak, 4),
+            "interrupted": interrupted, "parity": asdict(parity) if parity else None,
+        })
+        writer.close()
+    if interrupted:
+        raise typer.Exit(130)
+    if parity is not None and parity.verdict == "mismatch":
+        raise typer.Exit(1)
+
+
+def _stream(pair, ids, block, sampling, writer, verbose):
+    """Stream blocks to stdout; Ctrl-C stops at a block boundary with the caches intact."""
+    import mlx.core as mx
+
+    from ..generate import stream_generate
+    from ..stats import Stats
+
+    stats, tokens, out = Stats(), [], render.TextStream()
+    mx.reset_peak_memory()
+    gen = stream_generate(pair, ids, block_size=block, **sampling)
+    interrupted = False
+    try:
+        for i, ev in enumerate(gen):
+            out.write(ev.text)
+            stats.add(ev)
+            tokens += ev.tokens
+            if writer:
+                writer.block(i, ev)
+            if verbose:
+                out.side_note(render.block_line(i, ev))
+    except KeyboardInterrupt:
+        gen.close()  # the engine's finally blocks leave the caches exact
+        interrupted = True
+    finally:
+        out.end()
+    if interrupted:
+        render.note(f"interrupted after {stats.tokens} tokens")
+    return stats, tokens, interrupted, mx.get_peak_memory() / 1e9
+
+
+@app.command()
+def models(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the registry as JSON.")] = False,
+):
+    """List the registry's target → draft pairs, memory at 4-bit, and what is cached locally."""
+    from .. import registry
+
+    entries = list(registry.entries().values())
+    cached = {e.name: (registry.is_cached(e.target, e.target_revision),
+                       bool(e.draft) and registry.is_cached(e.draft, e.draft_revision))
+              for e in entries}
+    if as_json:
+        rows = [{**asdict(e), "fits_64gb_mac": e.fits_64gb, "cached": cached[e.name]}
+                for e in entries]
+        typer.echo(json.dumps(rows, indent=1))
+        return
+    from .doctor import memory_gb
+
+    ram = memory_gb().get("total_gb")
+    render.out.print(render.models_table(entries, cached, ram))
+    render.note(f"GB: download, then resident memory at 4-bit; 'here': vs 75% of this machine's "
+                f"{ram:.0f} GB; cached: target, draft in {registry.hub_cache()}.")
+
+
+@app.command()
+def doctor(
+    model: ModelOpt = None,
+    draft: DraftOpt = None,
+    no_draft: NoDraftOpt = False,
+    draft_bits: DraftBitsOpt = None,
+    weights: WeightsOpt = "auto",
+    shape: Annotated[str, typer.Option(
+        help="Without --model: the built-in random shape to measure (smollm2-135m, the demo "
+        "target's; qwen3-0.6b; tiny).")] = "smollm2-135m",
+    tau: Annotated[float, typer.Option(
+        help="Acceptance length τ you expect at block 5, for the recommendation.")] = 3.0,
+    repeats: Annotated[int, typer.Option(help="Timed rounds per width (fastest kept).")] = 5,
+    context: Annotated[int, typer.Option(help="Tokens in the cache while timing.")] = 256,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+):
+    """Check this machine: MLX, BLAS, memory, and the verify-cost curve behind the block size."""
+    from . import doctor as doc
+
+    if shape not in doc.SHAPES:
+        raise InvalidArgumentError(f"--shape must be one of {', '.join(doc.SHAPES)}, got {shape!r}")
+    if repeats < 1 or context < 1:
+        raise InvalidArgumentError("--repeats and --context must be at least 1")
+    if not 1 <= tau <= doc.TAU_BLOCK:
+        raise InvalidArgumentError(f"--tau is τ at block {doc.TAU_BLOCK}: between 1 and "
+                                   f"{doc.TAU_BLOCK}, got {tau:g}")
+    from . import prepare
+
+    prepare.check_load_options(draft_bits, weights)
+    say = None if as_json else render.progress
+    report = {"versions": doc.versions(), "machine": doc.machine(), "blas": doc.blas_report()}
+    if say:
+        render.machine(report)
+    if model is not None:
+        from ..registry import resolve
+
+        pair, loaded = prepare.open_pair(resolve(model, draft, no_draft), draft_bits, weights, say)
+        key = loaded.cost_key()
+        subject = f"{loaded.spec.target} + {loaded.spec.draft or 'no draft (draft cost left out)'}"
+    else:
+        pair = doc.synthetic_pair(shape, weights)
+        key = doc.model_key(f"synthetic:{shape}", None, pair.weights, "synthetic-draft", 4)
+        subject = (f"built-in random {shape}-shaped target ({pair.weights}) with a "
+                   f"{pair.draft.config.num_hidden_layers}-layer DFlash draft")
+    if say:
+        say(f"measuring verify cost on {subject} (widths 1..8, {repeats} rounds)...")
+    curve = doc.measure(pair, context=context, repeats=repeats)
+    doc.store(key, curve)
+    rows = doc.plan(curve, tau, max_block=pair.draft.config.block_size if pair.draft else None)
+    best = doc.recommend(rows)
+    pads = curve.pads()
+    report.update(subject=subject, curve=asdict(curve), tau=tau, verify_pad=pads,
+                  plan=[asdict(r) for r in rows], recommended_block_size=best.block_size)
+    if as_json:
+        typer.echo(json.dumps(report, indent=1, default=str))
+        return
+    verify_table, plan_table = render.doctor_tables(curve, rows, best)
+    render.out.print(f"verify: one target pass over W tokens ÷ one over 1 token ({curve.step_ms:.1f} "
+                     f"ms, {curve.context} tokens cached); draft: one draft pass ÷ the same",
+                     soft_wrap=True, markup=False)
+    render.out.print(verify_table)
+    if pads:
+        render.out.print("A wider pass is cheaper here, so the engine pads these widths: "
+                         + ", ".join(f"{w}→{p}" for w, p in pads.items())
+                         + " (the rounds below are costed so; --no-pad-verify turns it off)",
+                         soft_wrap=True, markup=False)
+    render.out.print(f"break-even τ = verify + draft cost; expected τ assumes τ {tau:g} at block 5 "
+                     "(same acceptance rate at every draft position)", soft_wrap=True, markup=False)
+    render.out.print(plan_table)
+    verdict = ("speculation should pay" if best.speedup > 1 else
+               "speculation is unlikely to pay at this τ; compare with --no-draft")
+    render.out.print(f"Recommended block size: [bold]{best.block_size}[/] "
+                     f"(predicted {best.speedup:.2f}× at τ {tau:g}@5; {verdict}). "
+                     f"Cached for `--block-size auto` in {doc.cache_file()}", soft_wrap=True)
+
+
+@app.command()
+def benchmark(
+    model: ModelOpt = None,
+    draft: DraftOpt = None,
+    draft_bits: DraftBitsOpt = None,
+    weights: WeightsOpt = "auto",
+    min_confidence: MinConfidenceOpt = None,
+    lookup: LookupOpt = True,
+    pad_verify: PadVerifyOpt = True,
+    dataset: Annotated[str, typer.Option(
+        help="gsm8k, math500, humaneval, mbpp, mt-bench; a comma list, or all.")] = "gsm8k",
+    num_prompts: Annotated[int, typer.Option(help="Items per dataset (file order).")] = 8,
+    max_tokens: MaxTokensOpt = 128,
+    block_size: Annotated[str, typer.Option(
+        "--block-size", help="Block size, or a list to sweep: 3,5,8.")] = DEFAULT_BLOCK_SIZE,
+    temp: TempOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    seed: SeedOpt = 0,
+    reasoning: ReasoningOpt = None,
+    repeats: Annotated[int, typer.Option(help="Runs per prompt and system; the median counts.")] = 1,
+    out: Annotated[Optional[Path], typer.Option(
+        help="Write a JSON card (machine, versions, models, revisions, settings, results).")] = None,
+    backend: BackendOpt = "local",
+    base_url: BaseUrlOpt = None,
+    api_key: ApiKeyOpt = None,
+    concurrency: Annotated[int, typer.Option(
+        help="With --backend openai: requests in flight at once.", rich_help_panel=R)] = 1,
+):
+    """AR vs DFlash on the same target and prompts: speedup, τ, acceptance, greedy match.
+
+    With --backend openai: completion tokens/s of a server, τ and acceptance where it reports
+    them (first user turn of each item).
+    """
+    from ..bench import runner as bench
+    from . import prepare
+    from .. import registry
+    from ..server import cli as server_cli
+    from .doctor import machine, versions
+
+    sampling = prepare.check_sampling(max_tokens, temp, top_p, top_k, seed)
+    if server_cli.is_remote(backend, base_url):
+        return server_cli.benchmark(base_url, api_key, model, dataset, num_prompts, concurrency,
+                                    sampling, reasoning, out)
+    if concurrency != 1:
+        raise InvalidArgumentError("--concurrency goes with --backend openai (the local engine "
+                                   "runs one stream)")
+    spec = registry.resolve(model, draft)
+    template_kwargs = registry.reasoning_kwargs(spec.entry, reasoning)
+    blocks = prepare.parse_block_sizes(block_size, allow_auto=False)
+    if num_prompts < 1 or repeats < 1:
+        raise InvalidArgumentError("--num-prompts and --repeats must be at least 1")
+    names = bench.parse_datasets(dataset)
+    if out is not None:
+        render.EventsWriter(out, "--out").close()  # fail now, not after the run
+    sets, metas = {}, {}
+    for name in names:
+        metas[name], items = bench.load_prompts(name)
+        sets[name] = items[:num_prompts]
+    pair, loaded = prepare.open_pair(spec, draft_bits, weights, render.progress, min_confidence,
+                                      lookup, pad_verify)
+    for b in blocks:
+        prepare.check_block_size(pair, b)
+    encode = prepare.encoder(pair, template_kwargs)
+    samples = bench.run(pair, sets, encode, block_sizes=blocks, sampling=sampling,
+                        repeats=repeats, progress=render.note)
+    rows = bench.summarize(samples, blocks, greedy=temp == 0)
+    render.out.print(render.bench_table(rows, f"{loaded.spec.target} + {loaded.spec.draft}"))
+    if out is not None:
+        settings = {**sampling, "block_sizes": blocks, "min_confidence": pair.min_confidence,
+                    "lookup": pair.lookup, "verify_pad": pair.verify_pad,
+                    "num_prompts": num_prompts,
+                    "repeats": repeats, "reasoning": reasoning, "datasets": names,
+                    "warmup": f"{bench.WARMUP_TOKENS} tokens per system on {bench.WARMUP_PROMPT!r}"}
+        card = bench.card(machine=machine(), versions=versions(), models=loaded.models(),
+                          settings=settings, rows=rows, samples=bench.per_sample(samples, blocks),
+                          datasets={n: {**metas[n], "items": len(sets[n])} for n in names})
+        Path(out).write_text(json.dumps(card, indent=1, ensure_ascii=False))
+        render.note(f"card written to {out}")
+
+
+# chat, serve, train-draft, fetch-demo live in cli_more; importing it registers them
+from . import commands as cli_more  # noqa: E402,F401  (registers its commands)
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,207 @@
+"""From command-line settings to a loaded pair, prompt ids and a block size (no printing).
+
+Shared by every command that generates (generate, benchmark, chat, serve): settings are
+checked before anything is downloaded or loaded, so a typo fails in a second.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .. import registry
+from ..errors import InvalidArgumentError
+
+Say = Callable[[str], None] | None
+
+
+@dataclass
+class Loaded:
+    """What was loaded, for stats, event summaries and benchmark cards."""
+
+    spec: registry.Spec
+    target_path: Path
+    draft_path: Path | None
+    target_revision: str | None
+    draft_revision: str | None
+    draft_bits: int
+    weights: str
+
+    def models(self) -> dict:
+        return {
+            "target": {"id": self.spec.target, "revision": self.target_revision,
+                       "path": str(self.target_path.resolve())},
+            "draft": None if self.spec.draft is None else
+            {"id": self.spec.draft, "revision": self.draft_revision, "bits": self.draft_bits,
+             "path": str(self.draft_path.resolve())},
+            "registry_name": self.spec.entry.name if self.spec.entry else None,
+            "weights": self.weights,
+        }
+
+    def cost_key(self) -> str:
+        from .doctor import model_key
+
+        return model_key(self.spec.target, self.target_revision, self.weights, self.spec.draft,
+                         self.draft_bits)
+
+
+def check_sampling(max_tokens: int, temp: float, top_p: float, top_k: int,
+                   seed: int | None) -> dict:
+    """stream_generate's sampling kwargs, validated with the engine's own checks."""
+    from ..generate import _check_args
+    from ..sample_utils import SamplingParams
+
+    _check_args(None, 1, max_tokens, SamplingParams(float(temp), float(top_p), int(top_k)))
+    return {"max_tokens": max_tokens, "temperature": temp, "top_p": top_p, "top_k": top_k,
+            "seed": seed}
+
+
+def check_load_options(draft_bits: int | None, weights: str,
+                       min_confidence: float | None = None) -> None:
+    from ..load import DRAFT_BITS, WEIGHT_POLICIES
+
+    if draft_bits is not None and draft_bits not in DRAFT_BITS:
+        raise InvalidArgumentError(f"--draft-bits must be 4, 8 or 16 (16 keeps the draft as is), "
+                                   f"got {draft_bits}")
+    if weights not in WEIGHT_POLICIES:
+        raise InvalidArgumentError(f"--weights must be one of {', '.join(WEIGHT_POLICIES)}, "
+                                   f"got {weights!r}")
+    if min_confidence is not None and not 0 <= min_confidence <= 1:
+        raise InvalidArgumentError(f"--min-confidence must be in [0, 1], got {min_confidence}")
+
+
+def parse_block_sizes(text: str, allow_auto: bool = True, allow_list: bool = True) -> list[int | str]:
+    """`5`, `auto` or a list `3,5,8`. Sizes below 2 draft nothing: plain AR is --no-draft."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if len(parts) > 1 and not allow_list:
+        raise InvalidArgumentError(f"--block-size takes one size here (lists are for benchmark), "
+                                   f"got {text!r}")
+    out: list[int | str] = []
+    for part in parts:
+        if part == "auto" and allow_auto:
+            out.append(part)
+            continue
+        try:
+            b = int(part)
+        except ValueError:
+            raise InvalidArgumentError(f"--block-size must be an integer ≥ 2 or 'auto', got {part!r}") from None
+        if b < 2:
+            raise InvalidArgumentError(
+                f"--block-size must be at least 2 (the last token plus at least one drafted "
+                f"token), got {b}; for plain autoregressive decoding use --no-draft"
+            )
+        out.append(b)
+    return out
+
+
+def check_block_size(pair, block: int) -> None:
+    trained = pair.draft.config.block_size
+    if block > trained:
+        raise InvalidArgumentError(
+            f"--block-size {block} is above the draft's trained block size {trained}")
+
+
+def read_prompt(positional: str | None, option: str | None) -> str:
+    """The prompt text: PROMPT or --prompt; `-` (or nothing, with piped stdin) reads stdin."""
+    if positional is not None and option is not None:
+        raise InvalidArgumentError("give the prompt once: as PROMPT or as --prompt, not both")
+    text = positional if positional is not None else option
+    if text is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise InvalidArgumentError("no prompt: pass PROMPT, --prompt TEXT, or - to read stdin")
+        text = "-"
+    if text == "-":
+        text = sys.stdin.read()
+    if not text.strip():
+        raise InvalidArgumentError("the prompt is empty")
+    return text
+
+
+def open_pair(spec: registry.Spec, draft_bits: int | None, weights: str, say: Say = None,
+              min_confidence: float | None = None, lookup: bool = True,
+              pad_verify: bool = True):
+    """Download what `spec` names (narrow patterns, progress bars) and load it.
+
+    `lookup` sets the pair's default for context lookup (`lookup.py`); `pad_verify` lets
+    verify passes run at a wider, cheaper width (`verify_pads`). Returns (pair, Loaded).
+    """
+    from ..load import DRAFT_PATTERNS, MODEL_PATTERNS, load, resolve
+
+    check_load_options(draft_bits, weights, min_confidence)
+    if say and spec.entry and spec.entry.missing:
+        say(f"note: {spec.entry.name} needs {', '.join(spec.entry.missing)} support, which this "
+            "version does not have yet; it may fail to load or run")
+    spec = registry.materialize(spec, progress=say)
+    bars = say is not None
+    t_path = resolve(spec.target, MODEL_PATTERNS, spec.target_revision, progress=bars)
+    d_path = None
+    if spec.draft is not None:
+        d_path = resolve(spec.draft, DRAFT_PATTERNS, spec.draft_revision, progress=bars)
+    pair = load(t_path, d_path, draft_bits=draft_bits, weights=weights, progress=say,
+                min_confidence=min_confidence)
+    pair.lookup = lookup
+    loaded = Loaded(
+        spec, t_path, d_path,
+        spec.target_revision or registry.snapshot_revision(t_path),
+        None if d_path is None else spec.draft_revision or registry.snapshot_revision(d_path),
+        pair.draft_bits if d_path is not None else 16, pair.weights,
+    )
+    if pad_verify:
+        pair.verify_pad = verify_pads(pair, loaded, say)
+    return pair, loaded
+
+
+def verify_pads(pair, loaded: Loaded, say: Say = None) -> dict[int, int]:
+    """The verify widths worth padding here, from this machine's cost curve (CPU only).
+
+    On a GPU a wider pass costs about the same as a narrower one, so nothing pads there. The
+    curve is measured once per machine and model (a few seconds) and cached, as for
+    `--block-size auto`.
+    """
+    from ..load import on_cpu
+
+    if pair.draft is None or not on_cpu():
+        return {}
+    from .doctor import curve_for
+
+    # a miss measures the curve once (its rounds go to `say`) and caches it for later runs
+    pads = curve_for(pair, loaded.cost_key(), say)[0].pads()
+    if say and pads:
+        say("padding verify passes " + ", ".join(f"{w}→{p}" for w, p in pads.items())
+            + " tokens wide: cheaper on this BLAS (the added rows are never read; "
+            "--no-pad-verify turns it off)")
+    return pads
+
+
+def choose_block(pair, loaded: Loaded, requested: int | str, say: Say = None) -> int:
+    """The block size to run: 1 without a draft, `auto` from the cached cost curve."""
+    if pair.draft is None:
+        return 1
+    if requested == "auto":
+        from .doctor import auto_block_size
+
+        best, hit = auto_block_size(pair, loaded.cost_key())
+        if say:
+            how = "cached measurement" if hit else "measured now, cached"
+            say(f"--block-size auto → {best.block_size} (break-even τ {best.break_even:.2f}, "
+                f"predicted {best.speedup:.2f}× at the assumed acceptance; {how})")
+        return best.block_size
+    check_block_size(pair, int(requested))
+    return int(requested)
+
+
+def encoder(pair, template_kwargs: dict, use_template: bool = True):
+    """messages → prompt ids through the chat template (with the reasoning kwargs)."""
+    from ..chat import apply_template
+
+    return lambda messages: apply_template(pair.tokenizer, messages, use_template=use_template,
+                                           kwargs=template_kwargs)
+
+
+def prompt_ids(pair, text: str, system: str | None, template_kwargs: dict,
+               use_template: bool = True) -> list[int]:
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": text})
+    return encoder(pair, template_kwargs, use_template)(messages)

@@ -1,0 +1,1 @@
+"""What exists only for CPU devices: the BLAS preload, the dense-weights policy, the verify-cost curve."""

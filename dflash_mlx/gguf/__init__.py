@@ -1,0 +1,1 @@
+"""GGUF files: the reader, the dequantizers and the tokenizers stored in them."""

@@ -1,0 +1,1 @@
+"""Networks only, mlx-lm style: the DFlash drafts, the target wrapper, their caches."""

@@ -1,0 +1,365 @@
+"""The DFlash (v1) draft: Qwen3-style layers whose K/V also see the target's hidden states.
+
+Module and attribute names follow the checkpoint keys so z-lab safetensors load with
+`strict=True`. The draft owns no embedding or LM head: `bind(target)` borrows them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.rope_utils import initialize_rope
+
+from .config import DraftConfig
+from ..proposal import Hint, merge
+
+# Meta's assistant head stores the context projection under different names.
+KEY_REMAP = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
+# Tensors some exports carry although the draft borrows them from the target.
+BORROWED_PREFIXES = ("embed_tokens.", "lm_head.", "model.embed_tokens.")
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """Block queries attend to [cached context, new context, block] keys."""
+
+    def __init__(self, cfg: DraftConfig, layer_idx: int):
+        super().__init__()
+        dim, hd = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            hd,
+        )
+        self.scale = hd**-0.5
+        self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=False)
+        self.q_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
+        self.rope = initialize_rope(
+            hd, cfg.rope_theta, False, cfg.rope_scaling, cfg.max_position_embeddings
+        )
+        self.window = cfg.sliding_window if cfg.layer_is_sliding(layer_idx) else None
+        self.causal = cfg.layer_is_causal(layer_idx)
+
+    def _heads(self, x: mx.array, n: int) -> mx.array:
+        B, L, _ = x.shape
+        return x.reshape(B, L, n, self.head_dim).transpose(0, 2, 1, 3)
+
+    def __call__(self, x: mx.array, ctx: mx.array | None, cache: "ContextCache") -> mx.array:
+        B, L, _ = x.shape
+        if ctx is not None and ctx.shape[1] > 0:
+            kc = self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads))
+            vc = self._heads(self.v_proj(ctx), self.n_kv_heads)
+            cache.append(self.rope(kc, offset=cache.offset), vc)
+        pos = cache.offset  # absolute position of block slot 0
+        q = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=pos)
+        kb = self.rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), offset=pos)
+        vb = self._heads(self.v_proj(x), self.n_kv_heads)
+        if cache.keys is not None:
+            keys = mx.concatenate([cache.keys, kb], axis=2)
+            values = mx.concatenate([cache.values, vb], axis=2)
+        else:
+            keys, values = kb, vb
+        mask = self._mask(L, cache)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def _mask(self, L: int, cache: "ContextCache") -> mx.array | None:
+        # v1 full-attention layers see everything: no mask at all.
+        if self.window is None and not self.causal:
+            return None
+        q_pos = mx.arange(cache.offset, cache.offset + L)[:, None]
+        k_pos = mx.concatenate(
+            [mx.arange(cache.start, cache.offset), mx.arange(cache.offset, cache.offset + L)]
+        )[None]
+        visible = mx.ones((L, k_pos.shape[1]), dtype=mx.bool_)
+        if self.window is not None:
+            # context keys by absolute position, so a ring buffer can never mask the wrong
+            # rows; block keys stay visible (reference §1.3), even for a window < block size
+            visible = visible & ((k_pos >= cache.offset) | ((q_pos - k_pos) < self.window))
+        if self.causal:
+            visible = visible & ((k_pos < cache.offset) | (k_pos <= q_pos))
+        return visible
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def __call__(self, x: mx.array, ctx: mx.array | None, cache: "ContextCache") -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), ctx, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class ContextCache:
+    """Context-only K/V of one draft layer, kept in temporal order at absolute positions.
+
+    Block K/V are never stored, so a rejected block leaves nothing to crop. `max_rows`
+    bounds memory for sliding-window layers; `offset` stays absolute for RoPE and masks.
+    """
+
+    def __init__(self, max_rows: int | None = None):
+        self.max_rows = max_rows
+        self.offset = 0  # absolute position after the last stored row
+        self.start = 0  # absolute position of the first stored row
+        self.keys = self.values = None
+
+    def append(self, k: mx.array, v: mx.array):
+        if self.keys is None:
+            self.keys, self.values = k, v
+        else:
+            self.keys = mx.concatenate([self.keys, k], axis=2)
+            self.values = mx.concatenate([self.values, v], axis=2)
+        self.offset += k.shape[2]
+        if self.max_rows is not None and self.keys.shape[2] > self.max_rows:
+            drop = self.keys.shape[2] - self.max_rows
+            self.keys, self.values = self.keys[:, :, drop:], self.values[:, :, drop:]
+            self.start += drop
+
+    def skip(self, n: int):
+        """Advance the absolute position without storing rows (window-limited prefill)."""
+        assert self.keys is None, "skip() only before the first append"
+        self.offset += n
+        self.start += n
+
+    def trim(self, n: int) -> int:
+        """Drop the last `n` positions. Going back past `start` (rows a window already
+        dropped) empties the cache at the new, still absolute, position: the draft then sees
+        less context for a while, which costs acceptance, never exactness."""
+        n = min(n, self.offset)
+        if n > 0:
+            self.offset -= n
+            keep = max(self.offset - self.start, 0)
+            self.start = min(self.start, self.offset)
+            if keep == 0:
+                self.keys = self.values = None
+            else:
+                self.keys, self.values = self.keys[:, :, :keep], self.values[:, :, :keep]
+        return n
+
+    def size(self) -> int:
+        return self.offset - self.start
+
+    @property
+    def state(self):
+        return (self.keys, self.values) if self.keys is not None else ()
+
+
+def joint_keep(confidence: list[float], min_confidence: float) -> int:
+    """How many leading slots the cut keeps: while their probabilities' product reaches it."""
+    keep, joint = 0, 1.0
+    for c in confidence:
+        joint *= c
+        if joint < min_confidence:
+            break
+        keep += 1
+    return keep
+
+
+@dataclass
+class Borrowed:
+    """The target's embedding and LM head, held outside the module tree.
+
+    Plain attributes so that quantizing or saving the draft never touches target weights.
+    """
+
+    embed: Callable[[mx.array], mx.array]
+    lm_head: Callable[[mx.array], mx.array]
+    head_module: object = None  # the module whose rows are the vocabulary
+    head_ids: mx.array | None = None  # restricted proposal vocabulary (draft_vocab.py)
+    sub_head: Callable[[mx.array], mx.array] | None = None
+
+
+class DFlashDraftModel(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.config = cfg
+        n_ctx = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(n_ctx * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self._borrowed: Borrowed | None = None
+        self.window_limit: int | None = None  # user bound on context rows (--draft-window)
+
+    def bind(self, target) -> "DFlashDraftModel":
+        """Borrow the target's embedding and LM head (tied or not)."""
+        self._borrowed = Borrowed(embed=target.embed, lm_head=target.lm_head,
+                                  head_module=target.head_module)
+        return self
+
+    def restrict_head(self, ids: list[int] | None) -> "DFlashDraftModel":
+        """Propose only from `ids` (None: the full vocabulary again). Verification is unchanged."""
+        from .draft_vocab import head_rows
+
+        b = self._borrowed
+        if ids is None:
+            b.head_ids = b.sub_head = None
+        else:
+            b.head_ids = mx.array(ids, dtype=mx.uint32)
+            mx.eval(b.head_ids)
+            b.sub_head = head_rows(b.head_module, b.head_ids)
+        return self
+
+    @property
+    def is_bound(self) -> bool:
+        return self._borrowed is not None
+
+    def make_cache(self) -> list[ContextCache]:
+        cfg = self.config
+        caches = []
+        for i in range(cfg.num_hidden_layers):
+            rows = cfg.sliding_window - 1 if cfg.layer_is_sliding(i) else None
+            if self.window_limit is not None:
+                rows = min(rows or self.window_limit, self.window_limit)
+            caches.append(ContextCache(rows))
+        return caches
+
+    def context_rows_needed(self) -> int | None:
+        """How many trailing context rows the draft can ever read (None = all)."""
+        limits = [c.max_rows for c in self.make_cache()]
+        return None if any(r is None for r in limits) else max(limits)
+
+    def embed(self, ids: mx.array) -> mx.array:
+        h = self._borrowed.embed(ids)
+        scale = self.config.input_embedding_scale
+        return h * scale if scale != 1.0 else h
+
+    def __call__(
+        self, block_ids: mx.array, context: mx.array | None, cache: list[ContextCache]
+    ) -> mx.array:
+        """Hidden states (after the final norm) for every block slot.
+
+        Args:
+            block_ids: (1, L) `[last token, MASK, ...]`.
+            context: (1, S, n_taps * hidden) target taps not yet in `cache`, or None.
+            cache: this draft's context caches; they absorb `context`.
+        """
+        if self._borrowed is None:
+            raise RuntimeError("draft is not bound to a target; call bind(target) first")
+        h = self.embed(block_ids)
+        ctx = None
+        if context is not None and context.shape[1] > 0:
+            ctx = self.hidden_norm(self.fc(context.astype(h.dtype)))
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, ctx, c)
+        return self.norm(h)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        return self._shape_logits(self._borrowed.lm_head(hidden))
+
+    def _shape_logits(self, out: mx.array) -> mx.array:
+        cfg = self.config
+        if cfg.output_multiplier != 1.0:
+            out = out * cfg.output_multiplier
+        if cfg.final_logit_softcapping > 0:
+            cap = cfg.final_logit_softcapping
+            out = cap * mx.tanh(out / cap)
+        return out
+
+    def propose(
+        self, block_ids: mx.array, context: mx.array | None, cache: list[ContextCache],
+        params=None, key: mx.array | None = None, min_confidence: float = 0.0,
+        lookup: Hint | None = None,
+    ) -> tuple[mx.array, mx.array | None]:
+        """Draft tokens for slots 1..L-1 and their proposal distribution (None = one-hot).
+
+        The block is drafted at the trained width (`slot_hidden`) and cut back to L-1 slots.
+
+        v1 drafts propose the per-slot argmax: the slots are independent marginals, so
+        sampling them would give an incoherent block; a one-hot q keeps the sampler exact.
+        `params` (SamplingParams) and `key` are for DFlash 2's selector; v1 ignores them.
+
+        `min_confidence` > 0 keeps the leading slots while the product of their proposal
+        probabilities (the draft's own odds that all of them are accepted) reaches it, so the
+        target verifies fewer tokens where the draft is unsure: that pays where each verified
+        token costs (the CPU). Slot k adds a token only if slots 1..k all hold, so the product,
+        not slot k's own probability, is what its verify cost buys. The cut depends on the
+        proposal alone, so the verification, and with it the output distribution, is unchanged.
+
+        `lookup` (see `lookup.py`) carries the context, where continuations of the block found
+        earlier may take over its unsure slots; `lookup.start` records where one did.
+        """
+        hidden = self.slot_hidden(block_ids, context, cache)
+        if min_confidence <= 0 and lookup is None:
+            return self.greedy_tokens(hidden)[0], None
+        ids, confidence = self.tokens_and_confidence(hidden[0])
+        ids, confidence = ids.tolist(), confidence.tolist()
+        if lookup is not None:
+            ids, confidence, lookup.start = merge(ids, confidence, lookup.context)
+        keep = joint_keep(confidence, min_confidence) if min_confidence > 0 else len(ids)
+        return mx.array(ids[:keep], dtype=mx.int32), None
+
+    def slot_hidden(self, block_ids: mx.array, context: mx.array | None,
+                    cache: list[ContextCache]) -> mx.array:
+        """Hidden states of slots 1..L-1 of `block_ids`, drafted at the trained width."""
+        return self(self.full_block(block_ids), context, cache)[:, 1: block_ids.shape[1]]
+
+    def full_block(self, block_ids: mx.array) -> mx.array:
+        """`block_ids` padded with MASK to the trained block size.
+
+        Every slot attends to the whole block, and training only ever showed blocks of the
+        trained width: a narrower block shifts what each slot sees. Drafting at full width and
+        keeping the leading slots proposes better (block 5 on the demo pair: τ +0.05), and the
+        extra slots cost only draft compute: block K/V are never cached.
+        """
+        pad = self.config.block_size - block_ids.shape[1]
+        if pad <= 0:
+            return block_ids
+        masks = mx.full((block_ids.shape[0], pad), self.config.mask_token_id, block_ids.dtype)
+        return mx.concatenate([block_ids, masks], axis=1)
+
+    def proposal_logits(self, hidden: mx.array) -> mx.array:
+        """Logits over the ids the draft proposes from: the restricted head's rows when set."""
+        b = self._borrowed
+        if b.head_ids is None:
+            return self.logits(hidden)
+        return self._shape_logits(b.sub_head(hidden))
+
+    def tokens_and_confidence(self, hidden: mx.array) -> tuple[mx.array, mx.array]:
+        """Per-slot argmax ids and the proposal probability of each."""
+        logits = self.proposal_logits(hidden).astype(mx.float32)
+        best = mx.argmax(logits, axis=-1)
+        confidence = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1))
+        ids = best if self._borrowed.head_ids is None else self._borrowed.head_ids[best]
+        return ids, confidence
+
+    def greedy_tokens(self, hidden: mx.array) -> mx.array:
+        """Per-slot argmax ids, through the restricted head when one is set."""
+        b = self._borrowed
+        if b.head_ids is not None:
+            # multiplier and softcap are monotone: the argmax needs neither
+            return b.head_ids[mx.argmax(b.sub_head(hidden), axis=-1)]
+        return mx.argmax(self.logits(hidden), axis=-1)
+
+    @staticmethod
+    def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        out = {}
+        for key, value in weights.items():
+            if key.startswith(BORROWED_PREFIXES):
+                continue
+            for old, new in KEY_REMAP.items():
+                if key.startswith(old):
+                    key = new + key[len(old):]
+            out[key] = value
+        return out

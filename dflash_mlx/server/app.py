@@ -1,0 +1,251 @@
+"""`dflash-mlx serve`: an OpenAI-compatible HTTP API over the engine (Starlette on uvicorn).
+
+Endpoints: POST /v1/chat/completions and /v1/completions (SSE streaming or not), GET
+/v1/models and /health. Requests are checked and tokenized on the event loop, then run one
+at a time by `server_worker.Worker`. Every failure is an OpenAI-style error body with a 4xx
+or 5xx code; nothing a client sends ends the server. Beyond OpenAI's fields, responses carry
+`speculation` (τ, per-position acceptance, drafted and accepted counts) and
+`usage.prompt_tokens_details.cached_tokens` (prompt tokens served from the reused caches).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import os
+import secrets
+import socket
+import time
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from ..errors import DFlashError
+from .request import (APIError, ServerConfig, completion_limit, error_response, json_body,
+                             prompt_ids, settings)
+from .worker import Busy, Delta, Done, Failed, Job, Worker
+
+__all__ = ["ServerConfig", "bind", "create_app", "serve"]
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+class Reply:
+    """Builds the JSON objects of one response (chat or text completion)."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat, self.model = chat, model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        self.created = int(time.time())
+
+    def _wrap(self, choices: list, stream: bool, **extra) -> dict:
+        kind = "chat.completion" if self.chat else "text_completion"
+        obj = kind + ".chunk" if stream and self.chat else kind
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+    def choice(self, text: str | None, finish: str | None, stream: bool, role: bool = False):
+        c = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if not self.chat:
+            c["text"] = text or ""
+        elif stream:
+            c["delta"] = ({"role": "assistant"} if role else {}) | (
+                {"content": text} if text is not None else {})
+        else:
+            c["message"] = {"role": "assistant", "content": text}
+        return c
+
+    @staticmethod
+    def usage(done: Done) -> dict:
+        return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+                "total_tokens": done.prompt_tokens + done.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+
+    def full(self, text: str, done: Done) -> dict:
+        return self._wrap([self.choice(text, done.finish_reason, False)], False,
+                          usage=self.usage(done), speculation=done.speculation)
+
+    def chunk(self, text: str | None, finish: str | None = None, role: bool = False,
+              **extra) -> str:
+        return _sse(self._wrap([self.choice(text, finish, True, role)], True, **extra))
+
+    def usage_chunk(self, done: Done) -> str:
+        return _sse(self._wrap([], True, usage=self.usage(done), speculation=done.speculation))
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    """Cancel the job when the client goes away (the body has been read already)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            job.cancel()
+            return
+
+
+async def _next(job: Job, request: Request):
+    """The job's next message, cancelling the job if the client disconnects meanwhile."""
+    watcher = asyncio.ensure_future(_watch_disconnect(request, job))
+    try:
+        return await job.messages.get()
+    finally:
+        watcher.cancel()
+
+
+async def _stream(job: Job, first, reply: Reply, include_usage: bool):
+    try:
+        if reply.chat:
+            yield reply.chunk("", role=True)
+        msg = first
+        while True:
+            if isinstance(msg, Delta):
+                yield reply.chunk(msg.text)  # "" when a block's bytes are not whole characters yet
+            elif isinstance(msg, Done) and msg.finish_reason == "cancelled":
+                yield _sse({"error": {"message": "generation stopped: the server is shutting "
+                                      "down", "type": "server_error", "param": None,
+                                      "code": None}})
+                break
+            elif isinstance(msg, Done):
+                yield reply.chunk(None if reply.chat else "", msg.finish_reason,
+                                  speculation=msg.speculation)
+                if include_usage:
+                    yield reply.usage_chunk(msg)
+                break
+            else:  # failed mid-stream: the status line is gone, so an error event ends it
+                yield _sse({"error": {"message": msg.message, "type": "server_error",
+                                      "param": None, "code": None}})
+                break
+            msg = await job.messages.get()
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel()  # after a disconnect: the worker stops at the next block boundary
+
+
+# -- the application ---------------------------------------------------------------------------
+
+def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
+    """The Starlette app; `worker` must be started (see `serve`)."""
+    pair = worker.pair
+
+    def guarded(handler, auth: bool = True):
+        async def endpoint(request: Request):
+            try:
+                if auth and cfg.api_key and not _authorized(request, cfg.api_key):
+                    raise APIError(401, "Incorrect or missing API key: send 'Authorization: "
+                                   "Bearer <key>'", code="invalid_api_key")
+                return await handler(request)
+            except APIError as e:
+                return e.response()
+
+        return endpoint
+
+    async def completions(request: Request, chat: bool):
+        body = await json_body(request)
+        opts = settings(body, cfg)
+        ids = prompt_ids(pair, body, chat, cfg)
+        max_tokens = completion_limit(opts["max_tokens"], len(ids),
+                                      pair.target.context_length, cfg.max_tokens)
+        job = Job(ids, {**opts["sampling"], "max_tokens": max_tokens}, opts["stop"])
+        try:
+            worker.submit(job)
+        except Busy:
+            if worker.closing:
+                raise APIError(503, "the server is shutting down") from None
+            raise APIError(503, f"the server is busy ({worker.jobs.maxsize} requests queued); "
+                           "retry later", code="server_busy") from None
+        reply = Reply(chat, cfg.model_id)
+        try:
+            first = await _next(job, request)
+            if isinstance(first, Failed):
+                raise APIError(first.status, first.message)
+            if opts["stream"]:
+                return StreamingResponse(_stream(job, first, reply, opts["include_usage"]),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            parts, msg = [], first
+            while isinstance(msg, Delta):
+                parts.append(msg.text)
+                msg = await _next(job, request)
+        except BaseException:
+            job.cancel()  # e.g. the server is shutting down: free the engine
+            raise
+        if isinstance(msg, Failed):
+            raise APIError(msg.status, msg.message)
+        if msg.finish_reason == "cancelled":
+            raise APIError(503, "generation stopped: the server is shutting down")
+        return JSONResponse(reply.full("".join(parts), msg))
+
+    async def chat_completions(request: Request):
+        return await completions(request, chat=True)
+
+    async def text_completions(request: Request):
+        return await completions(request, chat=False)
+
+    async def models(request: Request):
+        return JSONResponse({"object": "list", "data": [
+            {"id": cfg.model_id, "object": "model", "created": cfg.created,
+             "owned_by": "dflash-mlx", **({"dflash": cfg.info} if cfg.info else {})}]})
+
+    async def health(request: Request):
+        ok = worker.alive
+        body = {"status": "ok" if ok else "unavailable", "model": cfg.model_id,
+                "running": worker.running, "queued": worker.queued, **worker.counts}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def http_error(request: Request, exc: HTTPException):
+        msg = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed "
+               f"on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, msg)
+
+    async def server_error(request: Request, exc: Exception):
+        return error_response(500, f"internal error ({type(exc).__name__})")
+
+    routes = [
+        Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
+        Route("/v1/completions", guarded(text_completions), methods=["POST"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/health", guarded(health, auth=False), methods=["GET"]),
+        Route("/v1/health", guarded(health, auth=False), methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error,
+                                                        Exception: server_error})
+
+
+def _authorized(request: Request, key: str) -> bool:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Listen before loading the model, so a taken port fails in a second."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=128)
+    except OSError as e:
+        why = os.strerror(e.errno) if e.errno else str(e)
+        raise DFlashError(f"cannot listen on {host}:{port} ({why})") from None
+
+
+def serve(worker: Worker, cfg: ServerConfig, sock: socket.socket, log_level: str = "info") -> None:
+    """Run uvicorn on an already bound socket until Ctrl-C / SIGTERM."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            worker.cancel_all()  # open streams end at their next block, so shutdown is quick
+            super().handle_exit(sig, frame)
+
+    worker.start()
+    config = uvicorn.Config(create_app(worker, cfg), log_level=log_level,
+                            timeout_graceful_shutdown=5)
+    try:
+        Server(config).run(sockets=[sock])
+    finally:
+        worker.close()

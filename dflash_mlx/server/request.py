@@ -1,0 +1,231 @@
+"""Reading an OpenAI-style request: settings, messages → prompt ids, OpenAI error bodies.
+
+Every check raises `APIError`, which the app turns into `{"error": {...}}` with its status.
+Tokenization happens here, on the event loop: the worker thread only decodes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from ..chat import apply_template
+from ..generate import encode_prompt
+from ..errors import InvalidArgumentError
+
+MAX_BODY = 8 * 1024 * 1024
+MAX_STOPS = 16
+ROLES = ("system", "user", "assistant", "developer", "tool")
+# OpenAI fields this engine cannot honour: refused rather than silently ignored.
+UNSUPPORTED = {
+    "n": lambda v: v not in (None, 1),
+    "best_of": lambda v: v not in (None, 1),
+    "logprobs": lambda v: v not in (None, False, 0),
+    "top_logprobs": lambda v: v not in (None, 0),
+    "echo": lambda v: v not in (None, False),
+    "suffix": lambda v: v is not None,
+    "logit_bias": lambda v: bool(v),
+    "presence_penalty": lambda v: v not in (None, 0),
+    "frequency_penalty": lambda v: v not in (None, 0),
+    "tools": lambda v: bool(v),
+    "functions": lambda v: bool(v),
+}
+ERROR_TYPES = {401: "invalid_request_error", 500: "server_error", 503: "server_error"}
+
+
+@dataclass
+class ServerConfig:
+    """What the server answers with and the defaults a request may override."""
+
+    model_id: str
+    aliases: tuple[str, ...] = ()
+    api_key: str | None = None
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    entry: object = None  # the registry entry: how reasoning reaches the chat template
+    info: dict = field(default_factory=dict)  # shown in /v1/models
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.param, self.code)
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+# -- request parsing ---------------------------------------------------------------------------
+
+def _number(body: dict, name: str, default, integer: bool = False):
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
+        raise APIError(400, f"'{name}' must be {'an integer' if integer else 'a number'}, "
+                       f"got {v!r}", name)
+    return v
+
+
+def _stops(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise APIError(400, "'stop' must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOPS:
+        raise APIError(400, f"'stop' takes at most {MAX_STOPS} strings", "stop")
+    return stops
+
+
+def settings(body: dict, cfg: ServerConfig) -> dict:
+    """Model, sampling and streaming settings, checked before anything is tokenized."""
+    for name, bad in UNSUPPORTED.items():
+        if bad(body.get(name)):
+            raise APIError(400, f"'{name}' is not supported by this server", name)
+    model = body.get("model")
+    if model is not None and model not in (cfg.model_id, *cfg.aliases):
+        raise APIError(404, f"The model '{model}' does not exist: this server serves "
+                       f"'{cfg.model_id}'", "model", "model_not_found")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise APIError(400, "'stream' must be true or false", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise APIError(400, "'stream_options' must be an object", "stream_options")
+    top_k = _number(body, "top_k", cfg.top_k, integer=True)
+    sampling = {
+        "temperature": float(_number(body, "temperature", cfg.temperature)),
+        "top_p": float(_number(body, "top_p", cfg.top_p)),
+        "top_k": 0 if top_k == -1 else top_k,  # vLLM's "disabled"
+        "seed": _number(body, "seed", None, integer=True),
+    }
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = _number({"max_tokens": limit}, "max_tokens", None, integer=True)
+    from ..cli.prepare import check_sampling
+
+    try:
+        check_sampling(1 if max_tokens is None else max_tokens, sampling["temperature"], sampling["top_p"],
+                       sampling["top_k"], sampling["seed"])
+    except InvalidArgumentError as e:
+        raise APIError(400, str(e)) from None
+    return {"stream": stream, "include_usage": bool(options.get("include_usage")),
+            "sampling": sampling, "max_tokens": max_tokens, "stop": _stops(body)}
+
+
+def _content(content, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" \
+                    or not isinstance(part.get("text"), str):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported",
+                               "messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
+                   "messages")
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise APIError(400, "'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise APIError(400, f"messages[{i}] needs a role among {', '.join(ROLES)}",
+                           "messages")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": _content(m.get("content"), i)})
+    return out
+
+
+def _template_kwargs(body: dict, cfg: ServerConfig) -> dict:
+    from ..registry import reasoning_kwargs
+
+    effort = body.get("reasoning_effort")
+    if effort is not None and not isinstance(effort, str):
+        raise APIError(400, "'reasoning_effort' must be a string", "reasoning_effort")
+    extra = body.get("chat_template_kwargs")
+    if extra is not None and not isinstance(extra, dict):
+        raise APIError(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    try:
+        kwargs = reasoning_kwargs(cfg.entry, "off" if effort == "none" else effort)
+    except InvalidArgumentError as e:
+        raise APIError(400, str(e), "reasoning_effort") from None
+    return {**kwargs, **(extra or {})}
+
+
+def prompt_ids(pair, body: dict, chat: bool, cfg: ServerConfig) -> list[int]:
+    if chat:
+        messages, kwargs = _messages(body), _template_kwargs(body, cfg)
+        try:
+            ids = apply_template(pair.tokenizer, messages, kwargs=kwargs)
+        except InvalidArgumentError as e:
+            raise APIError(400, str(e), "messages") from None
+        except Exception as e:  # a template that rejects these messages or kwargs
+            raise APIError(400, f"the chat template failed: {e}", "messages") from None
+        param = "messages"
+    else:
+        prompt, param = body.get("prompt"), "prompt"
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        ok_ids = isinstance(prompt, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        if not (isinstance(prompt, str) or ok_ids):
+            raise APIError(400, "'prompt' must be a string or a list of token ids (one prompt)",
+                           "prompt")
+        ids = prompt if ok_ids else (pair.tokenizer.encode(prompt) if prompt else [])
+    context = pair.target.context_length
+    if context and len(ids) >= context:
+        raise APIError(400, f"This model's maximum context length is {context} tokens, but the "
+                       f"prompt has {len(ids)} tokens", param, "context_length_exceeded")
+    try:
+        return encode_prompt(pair, ids)
+    except InvalidArgumentError as e:
+        raise APIError(400, str(e), param) from None
+
+
+def completion_limit(requested: int | None, prompt: int, context: int | None, default: int) -> int:
+    room = context - prompt if context else None
+    if requested is None:
+        return default if room is None else min(default, room)
+    if room is not None and requested > room:
+        raise APIError(400, f"This model's maximum context length is {context} tokens, but "
+                       f"{prompt + requested} were requested ({prompt} in the prompt, "
+                       f"{requested} in the completion)", "max_tokens", "context_length_exceeded")
+    return requested
+
+
+async def json_body(request: Request) -> dict:
+    raw = await request.body()
+    if len(raw) > MAX_BODY:
+        raise APIError(413, f"the request body is over {MAX_BODY // 2**20} MiB")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body

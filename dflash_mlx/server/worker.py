@@ -1,0 +1,245 @@
+"""The server's engine side: one worker thread, a bounded queue, stop strings, per-request stats.
+
+The engine is synchronous and single-stream, so every generation runs on one thread in
+arrival order. HTTP handlers submit a `Job` and read its messages from an asyncio queue. A
+job cancelled by its client (disconnect) is closed at the next block boundary: the engine's
+`finally` blocks leave the shared session's caches exact, so the next request reuses them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..generate import Session, stream_generate
+from ..errors import DFlashError, InvalidArgumentError
+from ..stats import Stats
+
+log = logging.getLogger("dflash_mlx.server")
+
+
+class Busy(Exception):
+    """The bounded queue is full."""
+
+
+@dataclass
+class Delta:
+    text: str
+
+
+@dataclass
+class Done:
+    finish_reason: str  # stop | length | cancelled
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    speculation: dict
+
+
+@dataclass
+class Failed:
+    status: int
+    message: str
+
+
+class StopFilter:
+    """Cuts text at the first stop string; holds back a tail that may start one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text safe to emit, whether a stop string was found)."""
+        buf = self.held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return buf[: min(hits)], True
+        keep = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), keep, -1):
+                if buf.endswith(s[:k]):
+                    keep = k
+                    break
+        self.held = buf[len(buf) - keep:]
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+@dataclass
+class Job:
+    """One request: prompt ids, sampling settings, stop strings, and the way back to HTTP."""
+
+    ids: list[int]
+    sampling: dict
+    stop: list[str] = field(default_factory=list)
+    loop: asyncio.AbstractEventLoop | None = None
+    messages: asyncio.Queue | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self):
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        if self.messages is None:
+            self.messages = asyncio.Queue()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def emit(self, msg) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.messages.put_nowait, msg)
+        except RuntimeError:  # the event loop is gone (server shutting down)
+            self.cancel()
+
+    async def stream(self):
+        """Messages until the job ends (Done or Failed)."""
+        while True:
+            msg = await self.messages.get()
+            yield msg
+            if not isinstance(msg, Delta):
+                return
+
+
+def speculation(stats: Stats, drafted: int, accepted: int, block_size: int) -> dict:
+    """The `speculation` extension field: τ, per-position acceptance, drafted and accepted
+    (and how many drafted slots the context lookup filled, and of those accepted)."""
+    return {
+        "block_size": block_size,
+        "rounds": stats.rounds,
+        "tau": round(stats.tau, 4),
+        "acceptance_rates": [round(r, 4) for r in stats.acceptance_rates],
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
+        "lookup_tokens": stats.lookup_slots,
+        "lookup_accepted": stats.lookup_accepted,
+        "draft_s": round(stats.draft_s, 4),
+        "verify_s": round(stats.verify_s, 4),
+        "prefill_s": round(stats.prompt_s, 4),
+        "decode_tokens_per_s": round(stats.tokens_per_s, 2),
+    }
+
+
+class Worker:
+    """Runs jobs one at a time on a dedicated thread, reusing one session's caches."""
+
+    def __init__(self, pair, block_size: int, queue_size: int = 64):
+        if queue_size < 1:
+            raise InvalidArgumentError(f"--queue-size must be at least 1, got {queue_size}")
+        self.pair, self.block_size = pair, block_size
+        self.jobs: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
+        self.session = self._new_session()
+        self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
+        self.running = False
+        self.closing = False
+        self.current: Job | None = None
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._loop, name="dflash-engine", daemon=True)
+
+    def _new_session(self) -> Session:
+        if self.block_size > 1:
+            return Session.new(self.pair)
+        return Session(self.pair.target.make_cache(), None)
+
+    def start(self) -> "Worker":
+        self.thread.start()
+        return self
+
+    def cancel_all(self) -> None:
+        """Shutting down: the running job stops at its next block; queued ones are refused."""
+        self.closing = True  # a job taken from the queue after this is refused
+        with self.lock:
+            current = self.current
+        with self.jobs.mutex:
+            pending = list(self.jobs.queue)
+        for job in [*pending, current]:
+            if job is not None:
+                job.cancel()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Cancel everything and wait until the thread is idle, so exit never cuts a pass.
+
+        The thread is left waiting on its queue rather than ended: MLX frees a thread's
+        compile cache when the thread ends, which takes the GIL, and that aborts the process
+        (std::terminate) if it races with the interpreter's own shutdown.
+        """
+        self.cancel_all()
+        deadline = time.monotonic() + timeout
+        while (self.running or self.jobs.qsize()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    @property
+    def queued(self) -> int:
+        return self.jobs.qsize()
+
+    def submit(self, job: Job) -> None:
+        if self.closing:
+            raise Busy
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise Busy from None
+
+    def _loop(self) -> None:
+        while True:
+            job = self.jobs.get()
+            with self.lock:
+                self.running, self.current = True, job
+            try:
+                if job.cancelled.is_set() or self.closing:
+                    self.counts["cancelled"] += 1
+                    job.emit(Failed(503, "the server is shutting down") if self.closing
+                             else Failed(499, "cancelled before it started"))
+                    continue
+                self._run(job)
+            except DFlashError as e:
+                self.counts["failed"] += 1
+                job.emit(Failed(400 if isinstance(e, InvalidArgumentError) else 500, str(e)))
+            except Exception as e:  # never let one request end the worker
+                log.exception("generation failed")
+                self.counts["failed"] += 1
+                self.session = self._new_session()  # start clean rather than trust the caches
+                job.emit(Failed(500, f"generation failed ({type(e).__name__}: {e})"))
+            finally:
+                with self.lock:
+                    self.running, self.current = False, None
+
+    def _run(self, job: Job) -> None:
+        stats, stop = Stats(), StopFilter(job.stop)
+        drafted = accepted = 0
+        finish = None
+        gen = stream_generate(self.pair, job.ids, block_size=self.block_size,
+                              session=self.session, **job.sampling)
+        try:
+            for ev in gen:
+                stats.add(ev)
+                drafted += len(ev.drafted)
+                accepted += ev.accepted
+                text, hit = stop.feed(ev.text)
+                if hit:
+                    finish = "stop"
+                elif ev.finish_reason is not None:
+                    text += stop.flush()
+                    finish = ev.finish_reason
+                job.emit(Delta(text))  # even empty: one chunk per block paces the client
+                if finish is None and job.cancelled.is_set():
+                    finish = "cancelled"
+                if finish is not None:
+                    break
+        finally:
+            gen.close()  # stops at this block boundary; the engine leaves the caches exact
+        self.counts["cancelled" if finish == "cancelled" else "completed"] += 1
+        job.emit(Done(finish or "stop", len(job.ids), stats.reused_tokens, stats.tokens,
+                      speculation(stats, drafted, accepted, self.block_size)))

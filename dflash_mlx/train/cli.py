@@ -1,0 +1,143 @@
+"""`dflash-mlx train-draft`: build features once, then train with a live progress bar.
+
+CLI-side code (it prints); the engine part is `train_data.py` and `train.py`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from ..errors import InvalidArgumentError
+
+console = Console(stderr=True)
+
+
+def build_features(pair, out: Path, *, prompts: int, max_tokens: int, batch: int,
+                   sampled_fraction: float, texts: list[Path], seed: int) -> int:
+    from .data import distill_prompts, extract_features, text_sequences
+    from .prompts import chat_prompts
+
+    chosen = chat_prompts(prompts, seed)
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                  TimeRemainingColumn(), console=console) as bar:
+        task = bar.add_task("self-distilling", total=len(chosen))
+        total = distill_prompts(pair.target, pair.tokenizer, chosen, out,
+                                sampled_fraction=sampled_fraction, max_tokens=max_tokens,
+                                batch_size=batch, seed=seed,
+                                progress=lambda done, _: bar.update(task, completed=done))
+        if texts:
+            t2 = bar.add_task("teacher-forcing text", total=None)
+            corpus = (p.read_text(errors="replace") for p in texts)
+            total += extract_features(pair.target, text_sequences(pair.tokenizer, corpus), out,
+                                      progress=lambda n: bar.update(t2, completed=n))
+    return total
+
+
+def write_vocab(draft, out: Path, shards, held, size: int, trained_through: bool) -> None:
+    """Ship a restricted proposal head (draft_vocab.json) and report what it costs in τ."""
+    from ..models import draft_vocab
+    from .trainer import BlockSampler
+    from .eval import heldout_tau
+
+    if trained_through:  # the trainer already wrote the ids its loss went through
+        ids, coverage = draft_vocab.read_with_coverage(out)
+    else:
+        ids, coverage = draft_vocab.most_frequent((s.preds for s in shards), size,
+                                                  vocab_size=draft.config.vocab_size)
+        draft_vocab.save(out, ids, coverage, f"top {size} target predictions of the training data")
+    draft.restrict_head(None)
+    cfg = draft.config
+    batches = [BlockSampler(held, cfg.block_size, cfg.mask_token_id, 7).batch(8, 8)
+               for _ in range(8)]
+    full, _ = heldout_tau(draft, batches, 5)
+    draft.restrict_head(ids)
+    part, _ = heldout_tau(draft, batches, 5)
+    draft.restrict_head(None)
+    console.print(f"draft_vocab.json: {len(ids)} ids cover {coverage:.2%} of target predictions; "
+                  f"held-out τ@5 full head {full:.3f}, restricted {part:.3f}")
+
+
+def run(model: str, out: Path, *, features: Path | None, prompts: int, max_tokens: int,
+        batch: int, sampled_fraction: float, texts: list[Path], layers: int, block_size: int,
+        steps: int, lr: float, heldout: int, resume: bool, seed: int, weights: str,
+        vocab: int = 8192, restricted_loss: bool = True, seqs: int = 2,
+        anchors: int = 24, init: Path | None = None, soft_labels: float = 0.0,
+        minutes: float = 0.0) -> None:
+    import mlx.core as mx
+
+    from ..models.dflash import DFlashDraftModel
+    from ..load import check_pair, load, load_draft
+    from .trainer import TrainConfig, new_draft_config, pick_mask_token, train
+    from .data import load_shards, split_heldout
+
+    if block_size < 2 or min(layers, steps, seqs, anchors) < 1:
+        raise InvalidArgumentError(
+            "--block-size must be ≥ 2; --layers, --steps, --seqs and --anchors ≥ 1")
+    if minutes < 0:
+        raise InvalidArgumentError(f"--minutes {minutes}: takes a duration ≥ 0 (0: no limit)")
+    if not 0 <= soft_labels <= 1:
+        raise InvalidArgumentError(f"--soft-labels {soft_labels}: takes a weight from 0 to 1")
+    for t in texts:
+        if not t.is_file():
+            raise InvalidArgumentError(f"--text {t}: no such file")
+    if init is not None and not (Path(init) / "config.json").is_file():
+        raise InvalidArgumentError(f"--init {init}: not a draft folder (no config.json)")
+    console.print(f"loading target {model}")
+    pair = load(model, None, weights=weights)
+    if init is not None:  # fine-tune: depth, block size, taps and mask come from the draft
+        start = load_draft(init)
+        start.set_dtype(mx.float32)  # exported drafts are bf16; train in full precision
+        cfg = start.config
+        check_pair(pair.target, cfg)
+        layers, block_size = cfg.num_hidden_layers, cfg.block_size
+    else:
+        cfg = new_draft_config(pair.target, num_layers=layers, block_size=block_size,
+                               mask_token_id=pick_mask_token(pair.tokenizer))
+    pair.target.set_taps(cfg.target_layer_ids)
+    features = features or out / "features"
+    if not list(Path(features).glob("shard_*.npz")):
+        tic = time.perf_counter()
+        n = build_features(pair, features, prompts=prompts, max_tokens=max_tokens, batch=batch,
+                           sampled_fraction=sampled_fraction, texts=texts, seed=seed)
+        console.print(f"features: {n} tokens in {time.perf_counter() - tic:.0f}s → {features}")
+    shards, held = split_heldout(load_shards(features), heldout)
+    n_train = sum(len(s.tokens) for s in shards)
+    console.print(f"training on {n_train} tokens, {sum(len(h.tokens) for h in held)} held out; "
+                  f"draft: {layers} layers, block {block_size}, mask id {cfg.mask_token_id}, "
+                  f"taps {cfg.target_layer_ids}")
+    mx.random.seed(seed)
+    draft = (start if init is not None else DFlashDraftModel(cfg)).bind(pair.target)
+    tc = TrainConfig(steps=steps, lr=lr, seed=seed, seqs_per_step=seqs, anchors_per_seq=anchors,
+                     head_vocab=vocab if vocab and restricted_loss else 0, soft_labels=soft_labels,
+                     minutes=minutes)
+    tail = None
+    if soft_labels > 0:
+        from .soft import TargetTail
+
+        tail = TargetTail(pair.target, cfg.target_layer_ids)
+    with Progress(TextColumn("[bold]training"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                  console=console) as bar:
+        task = bar.add_task("train", total=steps, info="")
+        for ev in train(draft, shards, held, out, tc, resume=resume, tail=tail):
+            if ev.soft_agreement is not None:
+                print(f"soft labels: the rebuilt logits' argmax equals the stored prediction at "
+                      f"{ev.soft_agreement:.2%} of held-out labels", file=sys.stderr, flush=True)
+            info = (f"loss {ev.loss:.3f}  {ev.tokens_per_s:.0f} labels/s  "
+                    f"held-out τ@{tc.eval_block_size} {ev.heldout_walk_tau:.2f} decoding, "
+                    f"{ev.heldout_tau:.2f} per block")
+            bar.update(task, completed=ev.step, total=ev.total_steps, info=info)
+            # a plain line per evaluation too, so logs keep the τ curve
+            print(f"step {ev.step} loss {ev.loss:.4f} lr {ev.lr:.2e} labels/s "
+                  f"{ev.tokens_per_s:.0f} heldout_tau {ev.heldout_tau:.3f} walk_tau "
+                  f"{ev.heldout_walk_tau:.3f} slot_acc "
+                  + " ".join(f"{a:.3f}" for a in ev.slot_accuracy), file=sys.stderr, flush=True)
+    if vocab:
+        write_vocab(draft, out, shards, held, vocab, trained_through=tc.head_vocab > 0)
+    console.print(f"draft written to {out} (config.json + model.safetensors)")
