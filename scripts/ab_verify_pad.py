@@ -20,7 +20,7 @@ import sys
 import dflash_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx)
 
 from dflash_mlx import registry
-from dflash_mlx.cli.main import prepare
+from dflash_mlx.cli import prepare
 from dflash_mlx.bench.runner import DATASETS, generate_once, load_prompts
 from dflash_mlx.errors import DFlashError
 

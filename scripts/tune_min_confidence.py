@@ -40,7 +40,7 @@ import dflash_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx)
 import mlx.core as mx
 
 from dflash_mlx import registry, stream_generate
-from dflash_mlx.cli.main import prepare
+from dflash_mlx.cli import prepare
 from dflash_mlx.bench.runner import DATASETS, load_prompts
 from dflash_mlx.models.dflash import joint_keep as keep_joint  # the engine's own rule
 from dflash_mlx.errors import DFlashError

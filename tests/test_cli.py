@@ -223,7 +223,7 @@ def test_block_size_auto_measures_once_then_uses_the_cache(tiny, isolated_cache)
 
 
 def test_verify_padding_follows_the_measured_curve(tiny, isolated_cache, tmp_path):
-    from dflash_mlx.cli.main import doctor
+    from dflash_mlx.cli import doctor
 
     path = tmp_path / "ev.jsonl"
 

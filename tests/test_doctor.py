@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_mlx.cpu import blas
-from dflash_mlx.cli.main import doctor
+from dflash_mlx.cli import doctor
 from dflash_mlx.cli import app
 
 runner = CliRunner()

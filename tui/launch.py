@@ -26,7 +26,7 @@ def registry_loader(settings: ChatSettings, *, model: str | None = None,
 
     def loader(progress):
         from dflash_mlx import registry
-        from dflash_mlx.cli.main import prepare
+        from dflash_mlx.cli import prepare
 
         spec = registry.resolve(model, draft, no_draft)
         registry.reasoning_kwargs(spec.entry, settings.reasoning)  # checks the level
