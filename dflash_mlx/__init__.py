@@ -1,24 +1,47 @@
-"""dflash-mlx: exact block-diffusion speculative decoding (DFlash) on MLX."""
+"""dflash-mlx: exact block-diffusion speculative decoding (DFlash) on MLX.
 
-# Must run before the first `import mlx` (see blas.py): Linux CPU matmuls then use OpenBLAS.
+The public names load on first use, so `import dflash_mlx` (and `dflash-mlx --help`) imports no
+model code: `from dflash_mlx import load, stream_generate, Session` works as before.
+"""
+
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+# Must run before the first `import mlx` (see cpu/blas.py): Linux CPU matmuls then use OpenBLAS.
 from .cpu import blas as _blas
 
 _blas.autoload()
 
-from .models.config import DraftConfig  # noqa: E402
-from .generate import BlockEvent, Session, stream_generate
-from .errors import DFlashError
-from .load import Pair, load, pair_from_models
-
 __version__ = "0.1.0"
-__all__ = [
-    "BlockEvent",
-    "DFlashError",
-    "DraftConfig",
-    "Pair",
-    "Session",
-    "load",
-    "pair_from_models",
-    "stream_generate",
-    "__version__",
-]
+
+_PUBLIC = {
+    "BlockEvent": ".generate",
+    "Session": ".generate",
+    "stream_generate": ".generate",
+    "SpeculationConfig": ".proposal",
+    "Pair": ".utils",
+    "load": ".utils",
+    "pair_from_models": ".utils",
+    "DraftConfig": ".models.config",
+    "DFlashError": ".errors",
+}
+__all__ = [*_PUBLIC, "__version__"]
+
+if TYPE_CHECKING:
+    from .errors import DFlashError
+    from .generate import BlockEvent, Session, stream_generate
+    from .models.config import DraftConfig
+    from .proposal import SpeculationConfig
+    from .utils import Pair, load, pair_from_models
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        value = getattr(import_module(_PUBLIC[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from .generate import BlockEvent, Session, stream_generate
+from .proposal import SpeculationConfig
 from .errors import InvalidArgumentError
 
 # How a registry entry passes its reasoning level to the chat template.
@@ -54,6 +55,7 @@ class Conversation:
     template_kwargs: dict = field(default_factory=dict)
     messages: list[dict] = field(default_factory=list)
     session: Session | None = None
+    config: SpeculationConfig | None = None  # None: the pair's defaults on this device
 
     def __post_init__(self):
         if self.system:
@@ -86,10 +88,10 @@ class Conversation:
         yield from self._answer(ids, gen_kwargs)
 
     def _answer(self, ids: list[int], gen_kwargs: dict) -> Iterator[BlockEvent]:
-        block = gen_kwargs.get("block_size", 5)
-        if self.session is None or (block > 1 and self.session.draft_cache is None):
-            self.session = Session.new(self.pair) if block > 1 else Session(
-                self.pair.target.make_cache(), None)
+        config = (self.config or SpeculationConfig.for_pair(self.pair)).replace(
+            block_size=gen_kwargs.get("block_size"))
+        if self.session is None or (config.block_size > 1 and self.session.draft_cache is None):
+            self.session = Session.new(self.pair, config)
         parts: list[str] = []
         try:
             for ev in self._events(ids, gen_kwargs):
@@ -108,4 +110,4 @@ class Conversation:
 
     def _events(self, ids: list[int], gen_kwargs: dict) -> Iterator[BlockEvent]:
         """The answer's BlockEvents (a seam: a UI can script them without a model)."""
-        return stream_generate(self.pair, ids, session=self.session, **gen_kwargs)
+        return stream_generate(self.pair, ids, self.config, session=self.session, **gen_kwargs)

@@ -19,7 +19,7 @@ from typing import Iterator
 import mlx.core as mx
 
 from .errors import InvalidArgumentError
-from .proposal import Hint
+from .proposal import SpeculationConfig, draft_block
 from .sample_utils import SamplingParams, greedy_accept, rejection_sample, sampling_probs
 
 PREFILL_STEP = 512
@@ -74,11 +74,16 @@ class Session:
     draft_cache: list | None
     tokens: list[int] = field(default_factory=list)
     pending: mx.array | None = None
+    draft_window: int | None = None  # the draft cache's row bound (SpeculationConfig)
 
     @classmethod
-    def new(cls, pair) -> "Session":
-        draft_cache = pair.draft.make_cache() if pair.draft is not None else None
-        return cls(pair.target.make_cache(), draft_cache)
+    def new(cls, pair, config: SpeculationConfig | None = None) -> "Session":
+        """Caches for `pair`: a draft cache too when `config` speculates (its default does)."""
+        config = config or SpeculationConfig()
+        if pair.draft is None or config.block_size == 1:
+            return cls(pair.target.make_cache(), None)
+        window = config.draft_window
+        return cls(pair.target.make_cache(), pair.draft.make_cache(window), draft_window=window)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -138,7 +143,7 @@ def prefill(pair, session: Session, prompt: list[int]) -> tuple[int, int]:
         _rewind(pair, session, keep)
         session.tokens = prompt[:keep]
         todo = prompt[keep:-1]
-        limit = pair.draft.context_rows_needed() if use_draft else None
+        limit = pair.draft.context_rows_needed(session.draft_window) if use_draft else None
         for start in range(0, len(todo), PREFILL_STEP):
             chunk = todo[start : start + PREFILL_STEP]
             _, taps = pair.target(mx.array([chunk]), session.target_cache, taps=use_draft)
@@ -153,8 +158,7 @@ def prefill(pair, session: Session, prompt: list[int]) -> tuple[int, int]:
     return len(todo), keep
 
 
-def _check_args(pair, block_size: int, max_tokens: int, params: SamplingParams,
-                min_confidence: float = 0.0):
+def _check_args(pair, block_size: int, max_tokens: int, params: SamplingParams):
     if block_size < 1:
         raise InvalidArgumentError(f"block size must be at least 1, got {block_size}")
     if block_size > 1:
@@ -173,8 +177,14 @@ def _check_args(pair, block_size: int, max_tokens: int, params: SamplingParams,
         raise InvalidArgumentError(f"top_p must be in (0, 1], got {params.top_p}")
     if params.top_k < 0:
         raise InvalidArgumentError(f"top_k must be ≥ 0, got {params.top_k}")
-    if not 0 <= min_confidence <= 1:
-        raise InvalidArgumentError(f"min_confidence must be in [0, 1], got {min_confidence}")
+
+
+def check_sampling(max_tokens: int, temp: float, top_p: float, top_k: int,
+                   seed: int | None) -> dict:
+    """stream_generate's sampling kwargs, validated with the engine's own checks."""
+    _check_args(None, 1, max_tokens, SamplingParams(float(temp), float(top_p), int(top_k)))
+    return {"max_tokens": max_tokens, "temperature": temp, "top_p": top_p, "top_k": top_k,
+            "seed": seed}
 
 
 def encode_prompt(pair, prompt: str | list[int]) -> list[int]:
@@ -198,51 +208,48 @@ def encode_prompt(pair, prompt: str | list[int]) -> list[int]:
 def stream_generate(
     pair,
     prompt: str | list[int],
+    config: SpeculationConfig | None = None,
     *,
-    block_size: int = 5,
     max_tokens: int = 256,
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int | None = None,
     session: Session | None = None,
+    block_size: int | None = None,
     min_confidence: float | None = None,
     lookup: bool | None = None,
 ) -> Iterator[BlockEvent]:
     """Generate with DFlash speculation (block_size > 1) or plain AR (block_size == 1).
 
     Args:
-        pair: a loaded `Pair` (see `dflash_mlx.load`).
+        pair: a loaded `Pair` (see `dflash_mlx.utils`).
         prompt: text (tokenized as is; apply a chat template first) or token ids.
-        block_size: verify width B: the last token plus B-1 drafted tokens.
+        config: how to speculate (`SpeculationConfig`); None: this device's defaults for the
+            pair (`SpeculationConfig.for_pair`).
         seed: seeds the sampler's PRNG so a run is reproducible.
         session: reuse caches across calls; only the tokens the prompt adds are prefilled.
-        min_confidence: verify only the leading drafted tokens the draft gives at least this
-            probability (0: the whole block); None uses `pair.min_confidence`. Exactness
-            does not depend on it, only the cost of a round does.
-        lookup: let a continuation found earlier in the context replace the unsure end of a
-            v1 draft's block (`lookup.py`); None uses `pair.lookup`. Exact either way.
+        block_size, min_confidence, lookup: override those fields of `config` (None keeps
+            them). Exactness depends on none of them, only the cost of a round does.
 
     Yields:
         One `BlockEvent` per verify round; the last one carries `finish_reason`.
     """
     params = SamplingParams(float(temperature), float(top_p), int(top_k))
-    if min_confidence is None:
-        min_confidence = getattr(pair, "min_confidence", 0.0)
-    min_confidence = float(min_confidence)
-    if lookup is None:
-        lookup = getattr(pair, "lookup", False)
-    _check_args(pair, block_size, max_tokens, params, min_confidence)
+    overrides = dict(block_size=block_size, lookup=lookup,
+                     min_confidence=None if min_confidence is None else float(min_confidence))
+    config = (config or SpeculationConfig.for_pair(pair)).replace(**overrides)
+    block_size = config.block_size
+    _check_args(pair, block_size, max_tokens, params)
     ids = encode_prompt(pair, prompt)
     speculate = block_size > 1
     if session is None:
-        session = Session.new(pair) if speculate else Session(pair.target.make_cache(), None)
+        session = Session.new(pair, config)
     elif speculate and session.draft_cache is None:
         raise InvalidArgumentError("this session was started without a draft")
     key = mx.random.key(seed if seed is not None else random.getrandbits(32))
     eos = set(getattr(pair.tokenizer, "eos_token_ids", None) or [])
     mask_id = pair.draft.config.mask_token_id if speculate else None
-    lookup = bool(lookup) and speculate and not pair.draft.config.is_dflash2
 
     tic = time.perf_counter()
     n_prompt, n_reused = prefill(pair, session, ids)
@@ -263,12 +270,10 @@ def stream_generate(
             dkey = None
             if not params.greedy:  # DFlash 2's selector samples its path (v1 ignores both)
                 key, dkey = mx.random.split(key)
-            if lookup:
-                hint = Hint(session.tokens)  # read at once by propose; merge windows it
             try:
-                tokens, q = pair.draft.propose(
-                    block, session.pending, session.draft_cache, params=params, key=dkey,
-                    min_confidence=min_confidence, lookup=hint,
+                tokens, q, hint = draft_block(
+                    pair.draft, block, session.pending, session.draft_cache, config,
+                    session.tokens, params=params, key=dkey,
                 )
                 mx.eval(tokens)
                 session.pending = None
@@ -285,7 +290,7 @@ def stream_generate(
             w = len(verified)
             # rows past the block only pad the pass to a width the BLAS runs faster; their
             # logits are never read and the `finally` below drops their cache entries
-            pad = pair.verify_pad.get(w, w) - w
+            pad = config.width(w) - w
             logits, taps = pair.target(
                 # taps whenever a draft shares this session, so an AR turn keeps its context whole
                 mx.array([verified + [last] * pad]), session.target_cache,

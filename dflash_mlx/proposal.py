@@ -1,23 +1,125 @@
-"""Context lookup: fill the slots a v1 draft is unsure of with what followed the same n-gram before.
+"""What the target verifies each round: the draft's tokens, the context lookup, the confidence cut.
 
-Answers repeat their prompt and themselves: a function's signature, names, numbers, whole
-phrases. A DFlash draft predicts each slot from the target's hidden states and is often unsure
-past slot 1; where the last few tokens occurred earlier in the conversation, the tokens that
-followed them then are often the better guess. `merge` keeps the draft's tokens up to the
-first slot where the lookup disagrees and the draft is unsure (or the text is plainly being
-copied), and the lookup's from there.
+`SpeculationConfig` holds the policy (frozen, one per generation call); `draft_block` applies it
+to one draft pass. The draft network only proposes (`propose`: per-slot argmax or DFlash 2's
+selector path); everything here is a deterministic function of that proposal and of the tokens
+so far, so the verification, and with it the output distribution, never depends on it.
+
+Context lookup: answers repeat their prompt and themselves: a function's signature, names,
+numbers, whole phrases. A DFlash draft predicts each slot from the target's hidden states and
+is often unsure past slot 1; where the last few tokens occurred earlier in the conversation,
+the tokens that followed them then are often the better guess. `merge` keeps the draft's tokens
+up to the first slot where the lookup disagrees and the draft is unsure (or the text is plainly
+being copied), and the lookup's from there.
 
 Exactness: the lookup, like the draft, is a deterministic function of the tokens so far, so a
 merged block is one more one-hot proposal. Greedy verification and v1's rejection sampling
 (which treats every drafted token as proposed with probability 1) stay exact. DFlash 2's
-selector samples its own path with a recorded q, so it takes no lookup.
+selector samples its own path with a recorded q, so it takes no lookup and no cut.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Mapping
 
+import mlx.core as mx
 import numpy as np
+
+from .errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """How to speculate: one value per generation call, the same for every round.
+
+    Args:
+        block_size: verify width B: the last token plus B-1 drafted tokens (1: plain AR).
+        min_confidence: verify only the leading drafted tokens whose joint draft probability
+            reaches this (0: the whole block). Only the cost of a round depends on it.
+        lookup: let a continuation found earlier in the context replace the unsure end of a
+            v1 draft's block. Exact either way.
+        verify_pad: {W: W'}: verify W tokens in a pass of W' rows where the BLAS runs that
+            faster (the CPU's measured cost curve); the added rows are never read.
+        draft_window: keep at most this many context rows in the draft's cache (None: the
+            draft config's own sliding windows only).
+    """
+
+    block_size: int = 5
+    min_confidence: float = 0.0
+    lookup: bool = True
+    verify_pad: Mapping[int, int] = field(default_factory=dict)
+    draft_window: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "verify_pad", MappingProxyType(dict(self.verify_pad)))
+        if self.block_size < 1:
+            raise InvalidArgumentError(f"block size must be at least 1, got {self.block_size}")
+        if not 0 <= self.min_confidence <= 1:
+            raise InvalidArgumentError(
+                f"min_confidence must be in [0, 1], got {self.min_confidence}")
+        if self.draft_window is not None and self.draft_window < 1:
+            raise InvalidArgumentError(
+                f"--draft-window must be at least 1, got {self.draft_window}")
+
+    @classmethod
+    def for_pair(cls, pair, **overrides) -> "SpeculationConfig":
+        """This device's defaults for `pair` (`cpu/policy.py`), then `overrides` (None skipped)."""
+        from .cpu.policy import auto_min_confidence
+
+        base = cls(min_confidence=auto_min_confidence(pair.draft))
+        return base.replace(**overrides)
+
+    def replace(self, **overrides) -> "SpeculationConfig":
+        """A copy with the given fields changed; None leaves a field as it is."""
+        changes = {k: v for k, v in overrides.items() if v is not None}
+        return replace(self, **changes) if changes else self
+
+    def width(self, w: int) -> int:
+        """The rows a verify pass of `w` tokens runs at (`verify_pad`)."""
+        return self.verify_pad.get(w, w)
+
+
+def draft_block(draft, block_ids: mx.array, context: mx.array | None, cache: list,
+                config: SpeculationConfig, tokens: list[int], params=None,
+                key: mx.array | None = None) -> tuple[mx.array, mx.array | None, "Hint | None"]:
+    """The tokens to verify after `block_ids[0, 0]`, their q (None = one-hot), and the lookup's
+    record (None when it did not run).
+
+    `tokens` are the tokens so far, for the lookup. The cut keeps the leading slots while the
+    product of their proposal probabilities (the draft's own odds that all of them are
+    accepted) reaches `min_confidence`, so the target verifies fewer tokens where the draft is
+    unsure: that pays where each verified token costs (the CPU). Slot k adds a token only if
+    slots 1..k all hold, so the product, not slot k's own probability, is what its verify cost
+    buys.
+    """
+    v1 = not draft.config.is_dflash2
+    lookup = config.lookup and v1
+    cut = config.min_confidence if v1 else 0.0
+    out, q, confidence = draft.propose(block_ids, context, cache, params=params, key=key,
+                                       confidence=lookup or cut > 0)
+    if confidence is None:
+        return out, q, None
+    ids, confidence = out.tolist(), confidence.tolist()
+    hint = None
+    if lookup:
+        hint = Hint(tokens)
+        ids, confidence, hint.start = merge(ids, confidence, hint.context)
+    keep = joint_keep(confidence, cut) if cut > 0 else len(ids)
+    return mx.array(ids[:keep], dtype=mx.int32), None, hint
+
+
+def joint_keep(confidence: list[float], min_confidence: float) -> int:
+    """How many leading slots the cut keeps: while their probabilities' product reaches it."""
+    keep, joint = 0, 1.0
+    for c in confidence:
+        joint *= c
+        if joint < min_confidence:
+            break
+        keep += 1
+    return keep
+
 
 # Suffix lengths tried, longest first: a 1-token match is mostly noise (replayed on items 3-7
 # of the bundled sets with the demo pair: τ 2.11 with 3-then-2, 2.10 with 3-then-1, flat to 6).
@@ -40,7 +142,7 @@ MATCH_CAP = 64
 
 @dataclass
 class Hint:
-    """The context handed to `propose` for the lookup; `start` says which slot it took over from."""
+    """The context the lookup read; `start` says which slot it took over from."""
 
     context: list[int]
     start: int | None = None  # None: the draft's own block was kept

@@ -1,7 +1,7 @@
 """Verify padding, side by side: AR, DFlash unpadded and DFlash padded on the same prompts.
 
-Padding (`Pair.verify_pad`, see `doctor.CostCurve.pads`) changes only what a verify pass
-costs, so the three runs of a prompt must give the same tokens; what differs is time. Runs of
+Padding (`SpeculationConfig.verify_pad`, see `cpu/cost.py` `CostCurve.pads`) changes only what
+a verify pass costs, so the three runs of a prompt must give the same tokens; what differs is time. Runs of
 one prompt follow each other in a rotating order (AR, unpadded, padded; then unpadded, padded,
 AR; ...), so drift on a noisy machine lands on all three alike. Reports the median per-prompt
 speedup of each DFlash variant over AR, how often padding won, and the median verify time of
@@ -48,11 +48,12 @@ def main():
     except ValueError:
         _fail("--items takes FIRST-LAST (1-based); --repeats and --max-tokens at least 1")
     try:
-        pair, _ = prepare.open_pair(registry.resolve(a.model, a.draft, False), None, "auto")
+        pair, loaded = prepare.open_pair(registry.resolve(a.model, a.draft, False), None, "auto")
         prepare.check_block_size(pair, a.block_size)
     except DFlashError as e:
         _fail(str(e))
-    pads = dict(pair.verify_pad)
+    base = loaded.speculation
+    pads = dict(base.verify_pad)
     if not pads:
         _fail("this machine's cost curve pads no verify width: nothing to compare")
     sampling = {**SAMPLING, "max_tokens": a.max_tokens}
@@ -63,9 +64,10 @@ def main():
     widths = {"unpadded": {}, "padded": {}}
     wins = n = 0
     warm = encode([{"role": "user", "content": "Hi"}])
-    for system, (block, pair.verify_pad) in systems.items():  # first calls compile and allocate
-        generate_once(pair, warm, block, {**sampling, "max_tokens": 8})
-    print(f"pads {pads}; cut {pair.min_confidence}; block {a.block_size}; "
+    configs = {name: base.replace(verify_pad=pad) for name, (_, pad) in systems.items()}
+    for system, (block, _) in systems.items():  # first calls compile and allocate
+        generate_once(pair, warm, block, {**sampling, "max_tokens": 8}, configs[system])
+    print(f"pads {pads}; cut {base.min_confidence}; block {a.block_size}; "
           f"{a.max_tokens} tokens; {a.repeats} rotations per prompt")
     for name in DATASETS:
         for i, turns in enumerate(load_prompts(name)[1][lo - 1: hi], start=lo):
@@ -73,8 +75,8 @@ def main():
             for _ in range(a.repeats):
                 runs = {}
                 for system in order:
-                    block, pair.verify_pad = systems[system]
-                    runs[system] = generate_once(pair, ids, block, sampling)
+                    block = systems[system][0]
+                    runs[system] = generate_once(pair, ids, block, sampling, configs[system])
                 order = order[1:] + order[:1]
                 if not runs["ar"].tokens == runs["unpadded"].tokens == runs["padded"].tokens:
                     _fail(f"{name} #{i}: the three runs gave different tokens")
@@ -86,7 +88,6 @@ def main():
                 n += 1
                 print(f"{name} #{i}: unpadded {ratios['unpadded'][-1]:.3f}×  "
                       f"padded {ratios['padded'][-1]:.3f}×", flush=True)
-    pair.verify_pad = pads
     for system in ratios:
         ms = " ".join(f"{w}:{statistics.median(v) * 1e3:.1f}"
                       for w, v in sorted(widths[system].items()))

@@ -7,7 +7,7 @@ block, exactly as `decode.stream_generate` calls it. Three modes:
 
 - `none`:   full-attention layers, no limit: the draft cache holds every context row;
 - `config`: the checkpoint's own sliding window (`sliding_window`, all layers sliding);
-- `window:N`: full-attention layers plus `--draft-window N` (`load(..., draft_window=N)`).
+- `window:N`: full-attention layers plus `--draft-window N` (`SpeculationConfig(draft_window=N)`).
 
 On the CPU the draft's attention (MLX's CPU SDPA) costs ∝ cache rows, so the ratio for a
 window W reflects 512 → W rows of attention; on Metal, and with the real draft's much larger
@@ -33,11 +33,12 @@ from dflash_mlx.sample_utils import SamplingParams
 
 
 class StubTarget:
-    """Only what `bind` needs: an embedding and an LM head."""
+    """Only what `bind` needs: an embedding and an LM head (and the module holding its rows)."""
 
     def __init__(self, vocab: int, hidden: int):
         self._embed = nn.Embedding(vocab, hidden)
         self._head = nn.Linear(hidden, vocab, bias=False)
+        self.head_module = self._head
         mx.eval(self._embed.parameters(), self._head.parameters())
 
     def embed(self, ids):
@@ -47,9 +48,12 @@ class StubTarget:
         return self._head(h)
 
 
+def window_of(mode: str) -> int | None:
+    return int(mode.split(":")[1]) if mode.startswith("window:") else None
+
+
 def make_draft(args, mode: str) -> DFlash2DraftModel:
     sliding = mode == "config"
-    window = int(mode.split(":")[1]) if mode.startswith("window:") else None
     raw = {
         "architectures": ["DFlash2DraftModel"],
         "hidden_size": args.hidden,
@@ -70,36 +74,35 @@ def make_draft(args, mode: str) -> DFlash2DraftModel:
     }
     mx.random.seed(0)
     draft = DFlash2DraftModel(DraftConfig.from_dict(raw))
-    if window is not None:
-        draft.window_limit = window
     mx.eval(draft.parameters())
     return draft
 
 
-def prefill(draft, caches, context: int, width: int):
-    """What decode.prefill hands the draft: the taps it can ever read (skip the rest)."""
-    limit = draft.context_rows_needed()
+def prefill(draft, caches, context: int, width: int, window: int | None):
+    """What generate.prefill hands the draft: the taps it can ever read (skip the rest)."""
+    limit = draft.context_rows_needed(window)
     keep = context if limit is None else min(context, limit)
     for c in caches:
         c.skip(context - keep)
     return mx.random.normal((1, keep, width)) * 0.1
 
 
-def time_rounds(draft, contexts: list[int], rounds: int, block: int, width: int) -> dict:
+def time_rounds(draft, contexts: list[int], rounds: int, block: int, width: int,
+                window: int | None) -> dict:
     """Per-round draft seconds for each context, the contexts interleaved round by round so
     that a machine's changing load hits them alike."""
     ids = mx.array([[7] + [draft.config.mask_token_id] * (block - 1)])
     params = SamplingParams(0.0)
     state = {}
     for ctx in contexts:
-        caches = draft.make_cache()
-        state[ctx] = [caches, prefill(draft, caches, ctx, width)]
+        caches = draft.make_cache(window)
+        state[ctx] = [caches, prefill(draft, caches, ctx, width, window)]
     times = {ctx: [] for ctx in contexts}
     for r in range(rounds + 2):
         for ctx in contexts:
             caches, pending = state[ctx]
             tic = time.perf_counter()
-            tokens, _ = draft.propose(ids, pending, caches, params=params)
+            tokens = draft.propose(ids, pending, caches, params=params)[0]
             mx.eval(tokens)
             if r >= 2:  # the first two rounds absorb the prefill context / warm up
                 times[ctx].append(time.perf_counter() - tic)
@@ -133,11 +136,12 @@ def main():
     for mode in args.modes:
         draft = make_draft(args, mode)
         draft.bind(head)
-        runs = [time_rounds(draft, args.contexts, args.rounds, args.block, width)
+        window = window_of(mode)
+        runs = [time_rounds(draft, args.contexts, args.rounds, args.block, width, window)
                 for _ in range(args.runs)]
         for ctx in args.contexts:
             medians = [statistics.median(run[ctx]) for run in runs]
-            cache_rows = draft.context_rows_needed() or ctx
+            cache_rows = draft.context_rows_needed(window) or ctx
             rows.append({"mode": mode, "context": ctx, "cache_rows": min(cache_rows, ctx),
                          "draft_ms": 1000 * statistics.median(medians),
                          "runs_ms": [round(1000 * m, 2) for m in medians]})

@@ -1,5 +1,7 @@
 """Print the sampling-exactness checks of tests/test_sampling.py as a table of numbers.
 
+The checks live in tests/support/sampling.py (statistics in tests/support/stats.py).
+
 Runs every function-level case with the real `rejection_sample` and with three deliberately
 broken copies (which must fail), then the engine-level `stream_generate` cases. Columns:
 case, sampler, check, draws, chi-square statistic (for the binomial "accept slot 1" rows: the
@@ -20,8 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import test_sampling as ts  # noqa: E402  (imports dflash_mlx first: OpenBLAS preload)
-from dflash_mlx import load  # noqa: E402
+from support import sampling as ts  # noqa: E402  (imports dflash_mlx first: OpenBLAS preload)
+from support.stats import ALPHA  # noqa: E402
+from dflash_mlx import load, tiny  # noqa: E402
 from dflash_mlx.cpu import blas
 from dflash_mlx.sample_utils import rejection_sample  # noqa: E402
 
@@ -63,7 +66,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="chi2-"))
     target_dir = ts.make_tiny_target(root)
     pair = load(target_dir, None, weights="float32")
-    print(f"tiny target: {root}, vocab {pair.target.vocab_size}; alpha {ts.ALPHA}\n")
+    print(f"tiny target: {root}, vocab {pair.target.vocab_size}; alpha {ALPHA}\n")
     print(header())
     tic = time.perf_counter()
     fails = {"correct": 0, "broken": 0}
@@ -89,7 +92,7 @@ def main() -> None:
     if not args.no_engine:
         print("\nengine level (stream_generate, block 2, one Session, seeded runs)")
         print(header())
-        epair = ts.fixed_draft_pair(target_dir, ts.tiny.make_draft(root / "draft"))
+        epair = ts.fixed_draft_pair(target_dir, tiny.make_draft(root / "draft"))
         for setting in ts.ENGINE_CASES:
             res, secs = ts.engine_check(epair, setting, seed=1000 + args.seed_offset)
             kind = ts.ENGINE_CASES[setting][0]

@@ -26,7 +26,7 @@ class OracleDraft(DFlashDraftModel):
         ids = [REF[j] if 0 <= (j := pos + i - len(PROMPT)) < len(REF) else 0
                for i in range(1, block_ids.shape[1])]
         ids = [RNG.randrange(tiny.VOCAB_SIZE) if RNG.random() < P_WRONG else t for t in ids]
-        return mx.array(ids, dtype=mx.uint32), None
+        return mx.array(ids, dtype=mx.uint32), None, None  # no confidence: verified whole
 
 
 root = Path(tempfile.mkdtemp(prefix="dflash-demo-"))

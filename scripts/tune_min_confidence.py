@@ -11,12 +11,12 @@ tokens it yields, so greedy decoding can be replayed exactly for any cut:
 3. Time on this machine one AR step, a verify pass of each width 1..B, and a draft pass:
    by default the medians of real decoding rounds of each set's first item (`--costs rounds`),
    or each pass timed alone (`--costs passes`).
-4. Replay: a round at position i merges the context lookup into the block as the engine does
-   (`lookup.py`; or not, for the rows "no lookup"), keeps k slots (by the rule), accepts the
-   leading ones that match the greedy answer, moves on by that + 1, and costs draft +
-   verify(k + 1), padded as the engine pads here (`Pair.verify_pad`). Simulated speedup =
-   AR time / DFlash time. tests/test_demo_pair.py checks the replayed rounds against a real
-   run.
+4. Replay (`dflash_mlx.bench.replay`, like the records of 2): a round at position i merges the
+   context lookup into the block as the engine does (`proposal.py`; or not, for the rows "no
+   lookup"), keeps k slots (by the rule), accepts the leading ones that match the greedy
+   answer, moves on by that + 1, and costs draft + verify(k + 1), padded as the engine pads
+   here (`SpeculationConfig.verify_pad`). Simulated speedup = AR time / DFlash time.
+   tests/test_demo_pair.py checks the replayed rounds against a real run.
 
 Three rules: `joint` (the engine's: keep slots while the product of their probabilities stays
 >= P), `slot` (each slot's own probability >= P, the engine's rule before) and `cost` (keep
@@ -41,38 +41,21 @@ import mlx.core as mx
 
 from dflash_mlx import registry, stream_generate
 from dflash_mlx.cli import prepare
+from dflash_mlx.bench.replay import keep_joint, record, replay  # keep_joint: the engine's rule
 from dflash_mlx.bench.runner import DATASETS, load_prompts
-from dflash_mlx.models.dflash import joint_keep as keep_joint  # the engine's own rule
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.proposal import merge
 
 THRESHOLDS = (0.0, 0.03, 0.05, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
 
 
-def record(pair, ids: list[int], block: int, max_tokens: int) -> dict:
-    """The greedy sequence, and the draft's (slot tokens, slot probabilities) at every decode
-    position from the last prompt token on."""
-    answer = [t for ev in stream_generate(pair, ids, block_size=1, max_tokens=max_tokens)
-              for t in ev.tokens]
-    seq = ids + answer
-    _, taps = pair.target(mx.array([seq]), pair.target.make_cache(), taps=True)
-    draft, rows = pair.draft, []
-    for pos in range(len(ids) - 1, len(seq) - 1):  # a round whose last committed token is seq[pos]
-        blk = mx.array([[seq[pos]] + [draft.config.mask_token_id] * (block - 1)])
-        hidden = draft.slot_hidden(blk, taps[:, :pos], draft.make_cache())[0]
-        proposed, conf = draft.tokens_and_confidence(hidden)
-        rows.append((proposed.tolist(), conf.tolist()))
-    return {"seq": seq, "start": len(ids) - 1, "rows": rows}
-
-
-def costs(pair, seq: list[int], block: int, reps: int = 9) -> tuple[float, float, dict]:
+def costs(pair, config, seq: list[int], block: int, reps: int = 9) -> tuple[float, float, dict]:
     """(AR step, draft pass, {width: verify pass}) in seconds, at the context of `seq`.
 
     The passes are timed round-robin and each one's median is kept, so a burst of load on a
     noisy machine lands on all of them alike. Widths go up to the widest pass a round of
-    `block` runs as (`pair.verify_pad`).
+    `block` runs as (`config.verify_pad`).
     """
-    widest = max(pair.verify_pad.get(w, w) for w in range(1, block + 1))
+    widest = max(config.width(w) for w in range(1, block + 1))
     tgt, draft = pair.target, pair.draft
     cache = tgt.make_cache()
     base = len(seq) - block
@@ -88,7 +71,7 @@ def costs(pair, seq: list[int], block: int, reps: int = 9) -> tuple[float, float
         tgt.truncate(cache, base)
 
     def draft_pass():  # a typical round: two new context rows, then a proposal
-        tokens, _ = draft.propose(blk, taps[:, base - 3: base - 1], dcache, min_confidence=1e-9)
+        tokens = draft.propose(blk, taps[:, base - 3: base - 1], dcache, confidence=True)[0]
         mx.eval(tokens)
         for c in dcache:
             c.trim(2)
@@ -106,7 +89,7 @@ def costs(pair, seq: list[int], block: int, reps: int = 9) -> tuple[float, float
     return med.pop("ar"), med.pop("draft"), med
 
 
-def round_costs(pair, prompts: list[list[int]], block: int, max_tokens: int,
+def round_costs(pair, config, prompts: list[list[int]], block: int, max_tokens: int,
                 passes: tuple[float, float, dict]) -> tuple[float, float, dict]:
     """(AR step, draft pass, {width: verify pass}): medians over real decoding rounds of
     `prompts` (AR, then DFlash at the pair's own cut), padding and all.
@@ -119,13 +102,13 @@ def round_costs(pair, prompts: list[list[int]], block: int, max_tokens: int,
     for ids in prompts:
         ar += [ev.verify_s for ev in stream_generate(pair, ids, block_size=1,
                                                      max_tokens=max_tokens)]
-        for ev in stream_generate(pair, ids, block_size=block, max_tokens=max_tokens):
+        for ev in stream_generate(pair, ids, config, block_size=block, max_tokens=max_tokens):
             draft.append(ev.draft_s)
             verify.setdefault(ev.block_size, []).append(ev.verify_s)
     med = statistics.median
     timed = passes[2]
     return med(ar), med(draft), {
-        w: med(verify[w]) if len(verify.get(w, ())) >= 5 else timed[pair.verify_pad.get(w, w)]
+        w: med(verify[w]) if len(verify.get(w, ())) >= 5 else timed[config.width(w)]
         for w in range(1, block + 1)}
 
 
@@ -151,25 +134,6 @@ def keep_cost(conf: list[float], draft_s: float, verify: dict) -> int:
     return best_k
 
 
-def replay(rec: dict, keep, lookup: bool = True) -> list[tuple[int, int]]:
-    """(slots kept, slots accepted) per round of a greedy DFlash run that cuts with `keep`."""
-    seq, start, rows = rec["seq"], rec["start"], rec["rows"]
-    i, rounds = 0, []
-    while i < len(rows):
-        pos = start + i
-        tokens, conf = rows[i]
-        if lookup:
-            tokens, conf, _ = merge(tokens, conf, seq[: pos + 1])
-        k = keep(conf)
-        accepted = 0
-        while accepted < k and pos + 1 + accepted < len(seq) and \
-                tokens[accepted] == seq[pos + 1 + accepted]:
-            accepted += 1
-        rounds.append((k, accepted))
-        i += accepted + 1
-    return rounds
-
-
 def _fail(message: str):
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
@@ -179,8 +143,8 @@ def measure(a, lo: int, hi: int) -> tuple[dict, tuple[float, float, dict], dict]
     """Records of items lo..hi of every bundled set, this machine's pass costs, and the
     verify widths the engine pads here."""
     try:
-        pair, _ = prepare.open_pair(registry.resolve(a.model, a.draft, False), 4, "auto",
-                                    pad_verify=a.pad_verify)
+        pair, loaded = prepare.open_pair(registry.resolve(a.model, a.draft, False), 4, "auto",
+                                         pad_verify=a.pad_verify)
         prepare.check_block_size(pair, a.block_size)
     except DFlashError as e:
         _fail(str(e))
@@ -191,11 +155,13 @@ def measure(a, lo: int, hi: int) -> tuple[dict, tuple[float, float, dict], dict]
             last = encode([{"role": "user", "content": turns[0]}])
             records[f"{name}#{i}"] = record(pair, last, a.block_size, a.max_tokens)
             firsts += [last] if i == lo else []
-    passes = costs(pair, last, a.block_size)
+    config = loaded.speculation
+    passes = costs(pair, config, last, a.block_size)
     if a.costs == "passes":
-        return records, passes, pair.verify_pad
+        return records, passes, dict(config.verify_pad)
     # the rounds ran padded already: their widths are the verify widths as run
-    return records, round_costs(pair, firsts, a.block_size, a.max_tokens, passes), {}
+    return records, round_costs(pair, config, firsts, a.block_size, a.max_tokens,
+                                passes), {}
 
 
 def main():

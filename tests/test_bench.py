@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_mlx.bench import runner as bench
+from dflash_mlx import SpeculationConfig
 from dflash_mlx.cli import app
 
 runner = CliRunner()
@@ -44,21 +45,22 @@ def test_first_divergence():
 
 
 def test_runs_interleave_and_alternate(tiny, monkeypatch):
-    from dflash_mlx.load import load
+    from dflash_mlx.utils import load
     from dflash_mlx.cli.prepare import encoder
 
-    pair = load(tiny.oracle_target, tiny.oracle_draft, min_confidence=0.0)
+    pair = load(tiny.oracle_target, tiny.oracle_draft)
+    whole = SpeculationConfig.for_pair(pair, min_confidence=0.0)
     order = []
     real = bench.generate_once
 
-    def spy(pair, ids, block, sampling):
+    def spy(pair, ids, block, sampling, config=None):
         order.append(block)
-        return real(pair, ids, block, sampling)
+        return real(pair, ids, block, sampling, config)
 
     monkeypatch.setattr(bench, "generate_once", spy)
     sets = {"gsm8k": bench.load_prompts("gsm8k")[1][:2]}
     samples = bench.run(pair, sets, encoder(pair, {}), block_sizes=[2, 4],
-                        sampling={"max_tokens": 8, "temperature": 0.0})
+                        sampling={"max_tokens": 8, "temperature": 0.0}, config=whole)
     # warm-up of each system, then per prompt AR-first and AR-last in turn
     assert order == [1, 2, 4, 1, 2, 4, 4, 2, 1]
     rows = bench.summarize(samples, [2, 4], greedy=True)
@@ -72,29 +74,30 @@ def test_runs_interleave_and_alternate(tiny, monkeypatch):
 def test_rows_count_the_lookup_share(tiny):
     """A row's lookup share is its accepted context-lookup slots over all tokens it generated
     (the tiny target repeats itself, so the lookup has matches); none without the lookup."""
-    from dflash_mlx.load import load
+    from dflash_mlx.utils import load
 
-    pair = load(tiny.target, tiny.draft, min_confidence=0.0)
+    pair = load(tiny.target, tiny.draft)
+    whole = SpeculationConfig.for_pair(pair, min_confidence=0.0)
     sets = {"gsm8k": [["The cat sat. The cat sat. The cat"]]}
 
     def encode(messages):
         return pair.tokenizer.encode(" ".join(m["content"] for m in messages))
 
     samples = bench.run(pair, sets, encode, block_sizes=[4],
-                        sampling={"max_tokens": 40, "temperature": 0.0})
+                        sampling={"max_tokens": 40, "temperature": 0.0}, config=whole)
     (row,) = bench.summarize(samples, [4], greedy=True)
     events = samples[0].median(4).events
     looked = sum(f and a for e in events for f, a in zip(e.lookup_flags, e.accept_flags))
     assert looked > 0
     assert row["lookup_share"] == pytest.approx(looked / row["tokens"], abs=1e-4)
-    pair.lookup = False
     samples = bench.run(pair, sets, encode, block_sizes=[4],
-                        sampling={"max_tokens": 40, "temperature": 0.0})
+                        sampling={"max_tokens": 40, "temperature": 0.0},
+                        config=whole.replace(lookup=False))
     assert bench.summarize(samples, [4], greedy=True)[0]["lookup_share"] == 0.0
 
 
 def test_multi_turn_history_uses_the_ar_answer(tiny):
-    from dflash_mlx.load import load
+    from dflash_mlx.utils import load
 
     pair = load(tiny.target, tiny.draft)
     seen = []
@@ -110,9 +113,9 @@ def test_multi_turn_history_uses_the_ar_answer(tiny):
 
 
 def test_parity_helpers(tiny):
-    from dflash_mlx.load import load
+    from dflash_mlx.utils import load
 
-    pair = load(tiny.oracle_target, tiny.oracle_draft, min_confidence=0.0)
+    pair = load(tiny.oracle_target, tiny.oracle_draft)
     ids = pair.tokenizer.encode("hello")
     assert bench.logit_margin(pair, ids, 0, 5) == pytest.approx(0.0)  # all logits are 0
     p = bench.check_parity(pair, ids, [0] * 6, max_tokens=6)

@@ -183,12 +183,12 @@ def _tamper_ar(monkeypatch, scale):
 
     real = bench.generate_once
 
-    def tampered(pair, ids, block, sampling):
+    def tampered(pair, ids, block, sampling, config=None):
         if block == 1:
             norm = pair.target.model.model.norm
             mx.random.seed(0)
             norm.weight = scale(norm.weight)
-        return real(pair, ids, block, sampling)
+        return real(pair, ids, block, sampling, config)
 
     monkeypatch.setattr(bench, "generate_once", tampered)
 
@@ -223,7 +223,7 @@ def test_block_size_auto_measures_once_then_uses_the_cache(tiny, isolated_cache)
 
 
 def test_verify_padding_follows_the_measured_curve(tiny, isolated_cache, tmp_path):
-    from dflash_mlx.cli import doctor
+    from dflash_mlx.cpu import cost
 
     path = tmp_path / "ev.jsonl"
 
@@ -233,12 +233,12 @@ def test_verify_padding_follows_the_measured_curve(tiny, isolated_cache, tmp_pat
         return json.loads(path.read_text().splitlines()[-1])["verify_pad"]
 
     padded()  # measures this machine's curve once and caches it
-    data = json.loads(doctor.cache_file().read_text())
-    (entry,) = data[doctor.machine_key()].values()
+    data = json.loads(cost.cache_file().read_text())
+    (entry,) = data[cost.machine_key()].values()
     assert len(entry["verify"]) == 8
     # a curve with OpenBLAS's bump: 5-7 rows cost more than 8
     entry["verify"] = [1.0, 1.2, 1.25, 1.3, 1.6, 1.7, 1.65, 1.35]
-    doctor.cache_file().write_text(json.dumps(data))
+    cost.cache_file().write_text(json.dumps(data))
     assert padded() == {"5": 8, "6": 8, "7": 8}
     assert padded("--no-pad-verify") == {}
 

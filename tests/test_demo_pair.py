@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 
 from dflash_mlx import load, stream_generate
+from dflash_mlx.bench.replay import keep_joint, record, replay
 from dflash_mlx.bench.runner import check_parity
 from dflash_mlx.chat import apply_template
 from dflash_mlx.registry import default_pair
 from dflash_mlx.stats import Stats
-from test_tui import SIZE, app_for, last_answer, send
+from support.tui import SIZE, app_for, last_answer, send
 from tui.settings import ChatSettings
 from tui.turn import LOOKUP, TARGET
 
@@ -70,20 +71,13 @@ def test_demo_tau_on_fixed_prompt(pair):
 
 def test_cut_replay_equals_a_real_run(pair):
     """scripts/tune_min_confidence.py chooses the CPU's default cut by replaying greedy rounds
-    from per-position draft records. Its replay must give a real run's rounds exactly (slots
-    kept, slots accepted), for whole blocks and for two cuts; the last rounds, which max_tokens
-    narrows, are left out (the records draft full blocks)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "tune_min_confidence.py"
-    spec = importlib.util.spec_from_file_location("tune_min_confidence", path)
-    tune = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tune)
+    from per-position draft records (dflash_mlx.bench.replay). The replay must give a real
+    run's rounds exactly (slots kept, slots accepted), for whole blocks and for two cuts; the
+    last rounds, which max_tokens narrows, are left out (the records draft full blocks)."""
     # names the function, so the answer repeats the prompt's words: the lookup fills slots
     ids = _ids(pair, "Write a Python function `is_palindrome(text)` that checks whether a "
                "string is a palindrome.")
-    rows = tune.record(pair, ids, 5, 48)
+    rows = record(pair, ids, 5, 48)
     cut_somewhere = looked_up = False
     for p in (0.0, 0.1, 0.3):
         for lookup in (True, False):
@@ -92,7 +86,7 @@ def test_cut_replay_equals_a_real_run(pair):
             real = [(len(ev.drafted), ev.accepted) for ev in events
                     if len(ev.drafted) + ev.trimmed == 4]
             assert len(real) >= 10
-            replayed = tune.replay(rows, lambda c, p=p: tune.keep_joint(c, p), lookup)
+            replayed = replay(rows, lambda c, p=p: keep_joint(c, p), lookup)
             assert replayed[: len(real)] == real, (p, lookup)
             cut_somewhere |= any(ev.trimmed for ev in events)
             looked_up |= any(any(ev.lookup_flags) for ev in events)

@@ -10,7 +10,6 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from scipy.stats import chisquare
 
 from dflash_mlx import load, stream_generate, tiny
 from dflash_mlx.models.config import DraftConfig
@@ -18,39 +17,12 @@ from dflash_mlx.generate import Session
 from dflash_mlx.models.dflash2 import DFlash2DraftModel, GroupedDynamicConv
 from dflash_mlx.models.dflash import DFlashDraftModel
 from dflash_mlx.errors import CheckpointError, ConfigError
-from dflash_mlx.load import load_draft
+from dflash_mlx.utils import load_draft
 from dflash_mlx.sample_utils import SamplingParams, rejection_sample, sampling_probs
+from support.dflash2 import MASK, PROMPT, T, V
+from support.stats import pooled_chisquare
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints"
-V = 32  # the sampling tests use a small vocabulary so every cell of the chi-square is filled
-MASK = V - 1
-T = 2.0  # flat enough that p and the selector's q overlap: the accept branch is exercised
-
-
-def pooled_chisquare(counts, expected) -> tuple[float, float, int]:
-    """scipy chi-square with expected counts < 5 pooled; returns (statistic, p, cells).
-
-    An observation where the expected count is 0 is an impossible event: p = 0.
-    """
-    counts = np.asarray(counts, dtype=np.float64)
-    expected = np.asarray(expected, dtype=np.float64)
-    if np.any(counts[expected <= 0] > 0):
-        return float("inf"), 0.0, 0
-    big = expected >= 5
-    obs, exp = list(counts[big]), list(expected[big])
-    rest_o, rest_e = counts[~big].sum(), expected[~big].sum()
-    if rest_e > 0:
-        if rest_e >= 5 or not exp:
-            obs.append(rest_o)
-            exp.append(rest_e)
-        else:  # too small for its own cell: join the smallest cell
-            j = int(np.argmin(exp))
-            obs[j] += rest_o
-            exp[j] += rest_e
-    obs, exp = np.array(obs), np.array(exp)
-    exp *= obs.sum() / exp.sum()
-    stat, p = chisquare(obs, exp)
-    return float(stat), float(p), len(obs)
 
 
 # -- checkpoint layout and dispatch -------------------------------------------------------
@@ -200,9 +172,6 @@ def small_pair(tmp_path_factory):
     return load(t, d, draft_bits=16, weights="float32")
 
 
-PROMPT = [20, 28, 13, 21, 19, 10, 15, 28]  # a context where p and q overlap (≈20% accepts)
-
-
 def _selector_inputs(pair, prompt=PROMPT):
     tg, dr = pair.target, pair.draft
     cache = tg.make_cache()
@@ -226,7 +195,7 @@ def _brute_scores(sel, hidden, logits, prev, t):
 def test_selector_greedy_walk_is_the_argmax_path(small_pair):
     dr = small_pair.draft
     hidden, logits, block, taps = _selector_inputs(small_pair)
-    tokens, q = dr.propose(block, taps, dr.make_cache())
+    tokens, q, _ = dr.propose(block, taps, dr.make_cache())
     assert q is None  # greedy: no proposal distribution needed
     prev, path = PROMPT[-1], []
     for t in range(block.shape[1] - 1):
@@ -240,7 +209,7 @@ def test_selector_q_is_softmax_over_candidates_given_the_chosen_predecessor(smal
     dr = small_pair.draft
     hidden, logits, block, taps = _selector_inputs(small_pair)
     for seed in range(4):
-        tokens, q = dr.propose(block, taps, dr.make_cache(), params=SamplingParams(T),
+        tokens, q, _ = dr.propose(block, taps, dr.make_cache(), params=SamplingParams(T),
                                key=mx.random.key(seed))
         q = np.array(q)
         prev = PROMPT[-1]
@@ -254,7 +223,7 @@ def test_selector_q_is_softmax_over_candidates_given_the_chosen_predecessor(smal
             assert tok in cand and q[t, tok] > 0
             prev = tok
         # reproducible from its key
-        again, _ = dr.propose(block, taps, dr.make_cache(), params=SamplingParams(T),
+        again, _, _ = dr.propose(block, taps, dr.make_cache(), params=SamplingParams(T),
                               key=mx.random.key(seed))
         assert again.tolist() == tokens.tolist()
 
@@ -406,7 +375,7 @@ def test_selector_quantization_is_optional(tmp_path):
     assert isinstance(pair.draft.candidate_selector.successor_codebook, nn.QuantizedEmbedding)
     block = mx.array([[5] + [tiny.MASK_ID] * 7])
     ctx = mx.random.normal((1, 6, 2 * 64))
-    _, q = pair.draft.propose(block, ctx, pair.draft.make_cache(), params=SamplingParams(1.0),
+    _, q, _ = pair.draft.propose(block, ctx, pair.draft.make_cache(), params=SamplingParams(1.0),
                               key=mx.random.key(0))
     np.testing.assert_allclose(np.array(q.sum(-1)), 1.0, rtol=1e-5)
     assert len(list(stream_generate(pair, "hi", max_tokens=6, temperature=1.0, seed=0))) > 0

@@ -10,33 +10,34 @@ from typer.testing import CliRunner
 
 from dflash_mlx.cpu import blas
 from dflash_mlx.cli import doctor
+from dflash_mlx.cpu import cost
 from dflash_mlx.cli import app
 
 runner = CliRunner()
 
 
 def curve(verify, draft):
-    return doctor.CostCurve(widths=list(range(1, len(verify) + 1)), verify=verify, draft=draft,
+    return cost.CostCurve(widths=list(range(1, len(verify) + 1)), verify=verify, draft=draft,
                             step_ms=10.0, context=64, measured_at="now")
 
 
 def test_tau_and_alpha_round_trip():
     for tau in (1.2, 2.0, 3.0, 4.5):
-        alpha = doctor.alpha_from_tau(tau)
-        assert doctor.tau_at(alpha, 5) == pytest.approx(tau, abs=1e-6)
-    assert doctor.tau_at(0.0, 8) == 1.0 and doctor.tau_at(1.0, 8) == 8.0
+        alpha = cost.alpha_from_tau(tau)
+        assert cost.tau_at(alpha, 5) == pytest.approx(tau, abs=1e-6)
+    assert cost.tau_at(0.0, 8) == 1.0 and cost.tau_at(1.0, 8) == 8.0
 
 
 def test_plan_break_even_and_recommendation():
     c = curve([1.0, 1.1, 1.2, 1.3, 1.4, 3.0, 3.5, 4.0], [None] + [0.2] * 7)
-    rows = doctor.plan(c, tau=3.0)
+    rows = cost.plan(c, tau=3.0)
     assert [r.block_size for r in rows] == [2, 3, 4, 5, 6, 7, 8]
     assert rows[3].break_even == pytest.approx(1.6)  # verify 1.4 + draft 0.2 at block 5
     assert rows[3].expected_tau == pytest.approx(3.0)
     assert rows[3].speedup == pytest.approx(3.0 / 1.6)
     # widths past 5 got expensive: the knee wins
-    assert doctor.recommend(rows).block_size == 5
-    assert max(r.block_size for r in doctor.plan(c, max_block=4)) == 4
+    assert cost.recommend(rows).block_size == 5
+    assert max(r.block_size for r in cost.plan(c, max_block=4)) == 4
 
 
 def test_pads_pick_a_clearly_cheaper_wider_pass():
@@ -53,18 +54,18 @@ def test_pads_pick_a_clearly_cheaper_wider_pass():
 
 def test_cost_cache_round_trip(isolated_cache):
     c = curve([1.0, 1.2], [None, 0.3])
-    assert doctor.cached("k") is None
-    path = doctor.store("k", c)
+    assert cost.cached("k") is None
+    path = cost.store("k", c)
     assert path == isolated_cache / "verify-cost.json"
-    assert doctor.cached("k") == c
+    assert cost.cached("k") == c
     data = json.loads(path.read_text())
-    assert list(data) == [doctor.machine_key()]  # keyed by machine, then by model
+    assert list(data) == [cost.machine_key()]  # keyed by machine, then by model
 
 
 def test_measure_on_a_synthetic_shape():
     pair = doctor.synthetic_pair("tiny", "float32")
     assert pair.weights == "float32" and pair.draft.config.num_hidden_layers == 2
-    c = doctor.measure(pair, widths=(1, 2, 3), context=16, repeats=1)
+    c = cost.measure(pair, widths=(1, 2, 3), context=16, repeats=1)
     assert c.widths == [1, 2, 3] and c.verify[0] == 1.0 and c.draft[0] is None
     assert all(v > 0 for v in c.verify) and all(d > 0 for d in c.draft[1:])
     quantized = doctor.synthetic_pair("tiny", "quantized")
@@ -175,7 +176,7 @@ def test_doctor_command(isolated_cache):
     assert report["curve"]["widths"] == list(range(1, 9)) and report["tau"] == 2.5
     assert report["recommended_block_size"] in range(2, 9)
     assert [p["block_size"] for p in report["plan"]] == list(range(2, 9))
-    curve_ = doctor.CostCurve(**report["curve"])
+    curve_ = cost.CostCurve(**report["curve"])
     assert report["verify_pad"] == {str(w): p for w, p in curve_.pads().items()}
 
 

@@ -8,12 +8,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_mlx import load, stream_generate
+from dflash_mlx import SpeculationConfig, load, stream_generate
 from dflash_mlx.generate import Session
-from dflash_mlx.load import convert_weights, load_draft, pair_from_models
+from dflash_mlx.utils import convert_weights, load_draft, pair_from_models
 from dflash_mlx.models.target import Target
 from dflash_mlx import tiny
-from engine_support import (
+from support.engine import (
     Oracle, OracleDraft, RecordingTarget, cache_arrays, float32_pair, mlx_lm_greedy,
 )
 
@@ -95,9 +95,9 @@ def test_greedy_invariants(oracle_pair, seed, prompt_len, block, p_wrong):
 
 @pytest.mark.parametrize("seed", range(10))
 def test_padded_verify_passes_decode_the_same(oracle_pair, seed):
-    """Verify passes run wider than the block (`Pair.verify_pad`): the rows added are padding,
-    so every round, token and cached K/V is what the unpadded run gives, and the output is
-    plain AR greedy's."""
+    """Verify passes run wider than the block (`SpeculationConfig.verify_pad`): the rows added
+    are padding, so every round, token and cached K/V is what the unpadded run gives, and the
+    output is plain AR greedy's."""
     pair = oracle_pair
     rng = __import__("random").Random(seed)
     prompt = [rng.randrange(tiny.VOCAB_SIZE - 4) for _ in range(rng.randint(1, 24))]
@@ -109,11 +109,9 @@ def test_padded_verify_passes_decode_the_same(oracle_pair, seed):
         pair.draft.oracle = Oracle(raw, len(prompt), 0.3, seed)
         pair.target.passes.clear()
         session = Session.new(pair)
-        pair.verify_pad = pads
-        try:
-            events = _run(pair, prompt, block_size=block, max_tokens=n, session=session)
-        finally:
-            pair.verify_pad = {}
+        config = SpeculationConfig.for_pair(pair, verify_pad=pads)
+        events = _run(pair, prompt, config=config, block_size=block, max_tokens=n,
+                      session=session)
         widths = [p.shape[0] for p in pair.target.passes[-len(events):]]
         assert widths == [pads.get(e.block_size, e.block_size) for e in events]
         assert pair.target.cache_length(session.target_cache) == len(session.tokens) - 1
@@ -249,8 +247,8 @@ def test_quantized_draft_and_weight_policies(tiny_dirs):
     # float32 keeps the 4-bit rounding of the draft: same proposals either way
     block = mx.array([[5, tiny.MASK_ID, tiny.MASK_ID]])
     ctx = mx.zeros((1, 3, 64 * len(q.draft.config.target_layer_ids)))
-    tq, _ = q.draft.propose(block, ctx, q.draft.make_cache())
-    tf, _ = f.draft.propose(block, ctx, f.draft.make_cache())
+    tq, _, _ = q.draft.propose(block, ctx, q.draft.make_cache())
+    tf, _, _ = f.draft.propose(block, ctx, f.draft.make_cache())
     assert tq.tolist() == tf.tolist()
 
 
@@ -282,7 +280,7 @@ def test_narrow_blocks_are_drafted_at_the_trained_width(tiny_dirs, monkeypatch):
     seen, forward = [], type(draft).__call__
     monkeypatch.setattr(type(draft), "__call__",
                         lambda self, ids, *a: seen.append(ids.tolist()) or forward(self, ids, *a))
-    tokens, _ = draft.propose(narrow, ctx, draft.make_cache())
+    tokens, _, _ = draft.propose(narrow, ctx, draft.make_cache())
     assert seen == [padded.tolist()] and tokens.shape == (2,)
     monkeypatch.undo()
     wide = draft(padded, ctx, draft.make_cache())[:, 1:3]
@@ -340,14 +338,14 @@ def test_restricted_draft_head(tiny_dirs, tmp_path, weights):
     same = load(t, folder, weights=weights)
     block = mx.array([[5] + [tiny.MASK_ID] * 4])
     ctx = mx.random.normal((1, 6, 64 * len(full.draft.config.target_layer_ids)), key=mx.random.key(1))
-    a, _ = full.draft.propose(block, ctx, full.draft.make_cache())
-    b, _ = same.draft.propose(block, ctx, same.draft.make_cache())
+    a, _, _ = full.draft.propose(block, ctx, full.draft.make_cache())
+    b, _, _ = same.draft.propose(block, ctx, same.draft.make_cache())
     assert a.tolist() == b.tolist()
     # a small subset: proposals come from it, and generation still equals AR greedy
     subset = list(range(0, tiny.VOCAB_SIZE, 3))
     draft_vocab.save(folder, subset, 0.5, "test")
     part = load(t, folder, weights=weights)
-    c, _ = part.draft.propose(block, ctx, part.draft.make_cache())
+    c, _, _ = part.draft.propose(block, ctx, part.draft.make_cache())
     assert set(c.tolist()) <= set(subset)
     assert json.loads((folder / "draft_vocab.json").read_text())["size"] == len(subset)
     spec = [x for e in _run(part, [3, 4, 5, 6], max_tokens=16) for x in e.tokens]

@@ -13,14 +13,14 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import qwen3_5
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from dflash_mlx import load, stream_generate, tiny
+from dflash_mlx import SpeculationConfig, load, stream_generate, tiny
 from dflash_mlx.generate import Session
 from dflash_mlx.models.dflash import DFlashDraftModel
 from dflash_mlx.models.hybrid import HybridCache, HybridTarget, RollbackError, _CapturingGDN
 from dflash_mlx.models.target import Target
 from dflash_mlx.sample_utils import SamplingParams, sampling_probs
-from engine_support import Recording, float32_pair
-from test_dflash2 import pooled_chisquare
+from support.engine import Recording, float32_pair
+from support.stats import pooled_chisquare
 
 V = tiny.VOCAB_SIZE
 
@@ -41,7 +41,7 @@ class ScriptedDraft(DFlashDraftModel):
     script: Script | None = None
 
     def propose(self, block_ids, context, cache, **kw):
-        tokens, q = super().propose(block_ids, context, cache, **kw)
+        tokens, q, conf = super().propose(block_ids, context, cache, **kw)
         mx.eval(tokens)  # run the real forward, as the engine would (it materialises the cache)
         s = self.script
         pos = cache[0].offset  # absolute position of block slot 0
@@ -52,7 +52,7 @@ class ScriptedDraft(DFlashDraftModel):
             j = pos + i - s.prompt_len
             tok = s.reference[j] if 0 <= j < len(s.reference) else 0
             out.append((tok + 1) % 256 if i == want + 1 else tok)
-        return mx.array(out, dtype=mx.uint32), q
+        return mx.array(out, dtype=mx.uint32), q, None  # no confidence: verified whole
 
 
 class RecordingHybrid(Recording, HybridTarget):
@@ -327,13 +327,14 @@ def test_multi_turn_rewinds_to_a_checkpoint_or_the_start(pair):
 
 def test_memory_is_flat_over_100_rounds(pair):
     prompt = list(range(10, 30))
-    pair.draft.window_limit = 16  # bound the draft's context cache as well (--draft-window)
+    config = SpeculationConfig.for_pair(pair, draft_window=16)  # bound the draft's cache too
     eos = pair.tokenizer._eos_token_ids
     pair.tokenizer._eos_token_ids = set()  # 100 rounds, whatever the random target says
     try:
         _script(pair, prompt, 120, [0, 1, 0, 2], 4)
-        session = Session.new(pair)
-        gen = stream_generate(pair, prompt, block_size=4, max_tokens=200, session=session)
+        session = Session.new(pair, config)
+        gen = stream_generate(pair, prompt, config, block_size=4, max_tokens=200,
+                              session=session)
         mem = []
         for r, ev in enumerate(gen):
             mx.eval([c.state for c in session.target_cache])
@@ -351,7 +352,6 @@ def test_memory_is_flat_over_100_rounds(pair):
         # the KV cache grows in 256-token steps; 20 + ≤ 200 tokens stay inside one step
         assert mem[2] - mem[0] < 64 * 1024
     finally:
-        pair.draft.window_limit = None
         pair.tokenizer._eos_token_ids = eos
 
 
@@ -359,7 +359,7 @@ def test_memory_is_flat_over_100_rounds(pair):
 
 def test_sampling_on_a_hybrid_target_matches_the_target(tmp_path):
     """DFlash 2 draft + hybrid target at T>0: first two emitted tokens follow the target."""
-    from test_dflash2 import MASK, PROMPT, T, V as SV
+    from support.dflash2 import MASK, PROMPT, T, V as SV
 
     t = tiny.make_hybrid_target(tmp_path / "t", vocab_size=SV, eos_token_id=None)
     cfg = tiny.dflash2_config(vocab_size=SV, block_size=3, top_k=8,

@@ -22,8 +22,9 @@ from dflash_mlx.proposal import LOOKUP_CONFIDENCE, MATCH_CAP, UNSURE, Hint, find
 from dflash_mlx.cli.render import stats_lines
 from dflash_mlx.stats import Stats
 from dflash_mlx.sample_utils import SamplingParams
-from engine_support import float32_pair, mlx_lm_greedy
-from test_sampling import chi_square, target_rows
+from support.engine import float32_pair, mlx_lm_greedy
+from support.sampling import target_rows
+from support.stats import chi_square
 from tui.turn import LOOKUP, TARGET, token_labels
 from tui.widgets.provenance import label_class
 

@@ -15,23 +15,25 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx import load, stream_generate, tiny
+from dflash_mlx import SpeculationConfig, load, stream_generate, tiny
 from dflash_mlx.models.dflash import DFlashDraftModel
 from dflash_mlx.errors import InvalidArgumentError
-from dflash_mlx.load import CPU_MIN_CONFIDENCE, pair_from_models
+from dflash_mlx.cpu.policy import CPU_MIN_CONFIDENCE
 from dflash_mlx.sample_utils import SamplingParams
-from engine_support import float32_pair, mlx_lm_greedy
-from test_sampling import PROMPT, chi_square, target_rows
+from support.engine import float32_pair, mlx_lm_greedy
+from support.sampling import PROMPT, target_rows
+from support.stats import chi_square
 
 
 TEMP = 0.6  # peaked enough that one first token recurs in hundreds of runs
+CUT_ALONE = SpeculationConfig(lookup=False)  # the cut's rule alone; test_lookup.py covers both
 
 
 class Seen:
-    """Per proposal: slot probabilities (numpy) and how many slots the draft kept."""
+    """Per proposal: slot probabilities (numpy)."""
 
     def __init__(self):
-        self.conf, self.kept, self.hidden = [], [], None
+        self.conf, self.hidden = [], None
 
 
 class Watched(DFlashDraftModel):
@@ -40,14 +42,13 @@ class Watched(DFlashDraftModel):
     seen: Seen | None = None  # a plain object: nn.Module files dicts and lists as children
 
     def propose(self, block_ids, context, cache, **kw):
-        tokens, q = super().propose(block_ids, context, cache, **kw)
+        out = super().propose(block_ids, context, cache, **kw)
         hidden = self.seen.hidden[:, 1: block_ids.shape[1]]  # drafted at full width, cut back
         logits = np.array(self.proposal_logits(hidden)[0].astype(mx.float32), dtype=np.float64)
         p = np.exp(logits - logits.max(axis=-1, keepdims=True))
         p /= p.sum(axis=-1, keepdims=True)
         self.seen.conf.append(p.max(axis=-1))
-        self.seen.kept.append(int(tokens.shape[0]))
-        return tokens, q
+        return out
 
     def __call__(self, block_ids, context, cache):
         self.seen.hidden = super().__call__(block_ids, context, cache)
@@ -64,7 +65,6 @@ def dirs(tmp_path_factory):
 def watched(dirs):
     pair = float32_pair(*dirs, Watched)
     pair.draft.seen = Seen()
-    pair.lookup = False  # the cut's rule alone; test_lookup.py covers the two together
     return pair
 
 
@@ -74,7 +74,8 @@ def _median_confidence(pair, prompt, block) -> float:
     It lies halfway between two seen confidences, never on one: there float32 (the engine) and
     float64 (the check) could round to opposite sides of it."""
     pair.draft.seen = Seen()
-    list(stream_generate(pair, prompt, block_size=block, max_tokens=24, min_confidence=0.0))
+    list(stream_generate(pair, prompt, CUT_ALONE, block_size=block, max_tokens=24,
+                         min_confidence=0.0))
     conf = np.unique(np.concatenate(pair.draft.seen.conf))
     mid = len(conf) // 2
     return float((conf[mid - 1] + conf[mid]) / 2)
@@ -93,17 +94,16 @@ def test_greedy_is_exact_and_the_cut_follows_confidence(watched, block, prompt_s
     total_cut = total_kept = differ = 0
     for threshold in (0.0, median, 1.0):
         watched.draft.seen = Seen()
-        events = list(stream_generate(watched, prompt, block_size=block, max_tokens=40,
-                                      min_confidence=threshold))
+        events = list(stream_generate(watched, prompt, CUT_ALONE, block_size=block,
+                                      max_tokens=40, min_confidence=threshold))
         assert [t for e in events for t in e.tokens] == reference
         drafted_rounds = [e for e in events if e.drafted or e.trimmed]
-        for ev, conf, kept in zip(drafted_rounds, watched.draft.seen.conf,
-                                  watched.draft.seen.kept):
+        for ev, conf in zip(drafted_rounds, watched.draft.seen.conf):
             lead, joint = 0, 1.0
             while lead < len(conf) and joint * conf[lead] >= threshold:
                 joint *= conf[lead]
                 lead += 1
-            assert kept == lead == len(ev.drafted)
+            assert lead == len(ev.drafted)
             alone = 0  # what a per-slot cut (each slot's own probability) would keep
             while alone < len(conf) and conf[alone] >= threshold:
                 alone += 1
@@ -130,8 +130,8 @@ def test_sampling_stays_exact_with_the_cut(watched):
     first, second, cut = np.empty(n, np.int64), np.empty(n, np.int64), 0
     for i in range(n):
         toks = []
-        for ev in stream_generate(watched, PROMPT, block_size=3, max_tokens=2, temperature=TEMP,
-                                  seed=7000 + i, min_confidence=threshold):
+        for ev in stream_generate(watched, PROMPT, CUT_ALONE, block_size=3, max_tokens=2,
+                                  temperature=TEMP, seed=7000 + i, min_confidence=threshold):
             toks += ev.tokens
             cut += ev.trimmed
         first[i], second[i] = toks[0], toks[1]
@@ -150,8 +150,8 @@ def test_a_wrong_conditional_fails_the_same_check(watched):
     threshold = _median_confidence(watched, PROMPT, 3)
     seconds = {}
     for i in range(600):
-        toks = [t for ev in stream_generate(watched, PROMPT, block_size=3, max_tokens=2,
-                                            temperature=TEMP, seed=9000 + i,
+        toks = [t for ev in stream_generate(watched, PROMPT, CUT_ALONE, block_size=3,
+                                            max_tokens=2, temperature=TEMP, seed=9000 + i,
                                             min_confidence=threshold) for t in ev.tokens]
         seconds.setdefault(toks[0], []).append(toks[1])
     t = max(seconds, key=lambda k: len(seconds[k]))
@@ -162,11 +162,10 @@ def test_a_wrong_conditional_fails_the_same_check(watched):
 
 def test_defaults(dirs):
     pair = load(*dirs)  # the CPU device here
-    assert pair.min_confidence == CPU_MIN_CONFIDENCE
-    assert load(*dirs, min_confidence=0.0).min_confidence == 0.0
-    assert load(dirs[0], None).min_confidence == 0.0
-    in_memory = pair_from_models(pair.target.model, pair.tokenizer, pair.draft)
-    assert in_memory.min_confidence == 0.0  # embedding apps opt in
+    assert SpeculationConfig.for_pair(pair).min_confidence == CPU_MIN_CONFIDENCE
+    assert SpeculationConfig.for_pair(pair, min_confidence=0.0).min_confidence == 0.0
+    assert SpeculationConfig.for_pair(load(dirs[0], None)).min_confidence == 0.0
+    assert SpeculationConfig().min_confidence == 0.0  # a config built by hand opts in
     ev = next(iter(stream_generate(pair, "Hello", max_tokens=4, min_confidence=0.999)))
     assert ev.drafted == [] and ev.trimmed == 3  # block 5 capped by max_tokens 4
     with pytest.raises(InvalidArgumentError, match=r"min_confidence must be in \[0, 1\]"):

@@ -10,10 +10,10 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-import server_support as ss
 from dflash_mlx.cli import app
 from dflash_mlx.server.openai_client import (Completion, OpenAIClient, ServerError, Stream,
                                       vllm_counters, vllm_speculation)
+from support import server as ss
 
 runner = CliRunner()
 HELLO = [{"role": "user", "content": "Hello there"}]

@@ -7,13 +7,12 @@ one (every draft accepted, so the speculation stats are known exactly).
 
 from __future__ import annotations
 
-import importlib.util
 import threading
-from pathlib import Path
 
 import pytest
 
-import server_support as ss
+from support import server as ss
+from support.load import run_load
 
 CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
 HELLO = [{"role": "user", "content": "Hello there"}]
@@ -248,16 +247,8 @@ def test_full_queue_answers_503_and_recovers(keyed):
     assert health["cancelled"] == before["cancelled"] + 1 and health["status"] == "ok"
 
 
-def _load_script():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "load_test_server.py"
-    spec = importlib.util.spec_from_file_location("load_test_server", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_bounded_load_50_sequential_20_concurrent(server):
-    fig = _load_script().run_load(server.url, sequential=50, concurrent=20, max_tokens=8)
+    fig = run_load(server.url, sequential=50, concurrent=20, max_tokens=8)
     for name in ("sequential", "concurrent"):
         assert fig[name]["lost"] == 0, fig[name]["errors"]
         assert fig[name]["completion_tokens"] == 8 * fig[name]["sent"]

@@ -9,11 +9,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx import load, stream_generate, tiny
+from dflash_mlx import SpeculationConfig, load, stream_generate, tiny
 from dflash_mlx.models.config import DraftConfig
 from dflash_mlx.generate import Session, prefill
 from dflash_mlx.models.dflash2 import DFlash2DraftModel
-from dflash_mlx.models.dflash import Attention, ContextCache, DFlashDraftModel
+from dflash_mlx.models.cache import ContextCache
+from dflash_mlx.models.dflash import Attention, DFlashDraftModel
 from dflash_mlx.errors import DFlashError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints"
@@ -145,19 +146,20 @@ def test_draft_window_bounds_every_cache(tmp_path):
     d = tiny.make_draft(tmp_path / "d")  # full attention: unbounded without the option
     plain = load(t, d, weights="float32")
     assert plain.draft.context_rows_needed() is None
-    pair = load(t, d, weights="float32", draft_window=8)
-    assert pair.draft.window_limit == 8 and pair.draft.context_rows_needed() == 8
+    pair = load(t, d, weights="float32")
+    config = SpeculationConfig.for_pair(pair, draft_window=8)
+    assert config.draft_window == 8 and pair.draft.context_rows_needed(8) == 8
     pair.tokenizer._eos_token_ids = set()
     prompt = list(range(30, 70))
-    session = Session.new(pair)
-    events = list(stream_generate(pair, prompt, max_tokens=40, session=session))
+    session = Session.new(pair, config)
+    events = list(stream_generate(pair, prompt, config, max_tokens=40, session=session))
     assert all(c.size() <= 8 for c in session.draft_cache)
     assert session.draft_cache[0].offset + (0 if session.pending is None
                                             else session.pending.shape[1]) == len(session.tokens) - 1
     ar = [x for e in stream_generate(plain, prompt, block_size=1, max_tokens=40) for x in e.tokens]
     assert [x for e in events for x in e.tokens] == ar  # a window costs acceptance, not exactness
     with pytest.raises(DFlashError, match="draft-window"):
-        load(t, d, weights="float32", draft_window=0)
+        SpeculationConfig(draft_window=0)
 
 
 def test_rewinding_past_a_window_keeps_positions_absolute(tmp_path):

@@ -12,11 +12,11 @@ from mlx_lm.generate import generate_step
 
 from dflash_mlx import load, stream_generate, tiny
 from dflash_mlx.models.dflash import DFlashDraftModel
-from dflash_mlx.load import load_draft
+from dflash_mlx.utils import load_draft
 from dflash_mlx.stats import Stats
-from dflash_mlx.train.trainer import (
-    BlockSampler, TrainConfig, new_draft_config, packed_hidden, pick_mask_token, train,
-)
+from dflash_mlx.train.blocks import BlockSampler, packed_hidden
+from dflash_mlx.train.config import TrainConfig
+from dflash_mlx.train.trainer import new_draft_config, pick_mask_token, train
 from dflash_mlx.train.data import extract_features, load_shards, split_heldout
 from dflash_mlx.train.eval import heldout_tau
 
@@ -426,7 +426,7 @@ def test_walked_rounds_are_the_engines_rounds(trained):
     greedy DFlash decoding of the same prompt accepted (the walked τ is decoding's τ)."""
     import numpy as np
 
-    from dflash_mlx.load import pair_from_models
+    from dflash_mlx.utils import pair_from_models
     from dflash_mlx.train.eval import walk_runs, walk_tau
     from dflash_mlx.train.data import FeatureShard
 

@@ -14,6 +14,7 @@ from dflash_mlx.chat import apply_template
 from dflash_mlx.generate import BlockEvent
 from dflash_mlx.errors import ModelNotFoundError
 from dflash_mlx.tiny import make_draft, make_target
+from support.tui import SIZE, app_for, last_answer, send, settle
 from tui import transcript as tr
 from tui.app import ChatApp
 from tui.errors import describe_error
@@ -25,8 +26,6 @@ from tui.widgets.messages import AssistantMessage, UserMessage
 from tui.widgets.panel import SpeculationPanel, bar, block_glyphs
 from tui.widgets.prompt import PromptInput
 from tui.widgets.provenance import align_spans
-
-SIZE = (110, 36)
 
 
 @pytest.fixture(scope="session")
@@ -53,33 +52,6 @@ def ev(tokens, text, accepted, block=5, finish=None, n=0):
 
 def scripted(answers, **kw):
     return functools.partial(ScriptedConversation, answers=answers, **kw)
-
-
-def app_for(pair, **kw):
-    kw.setdefault("settings", ChatSettings(max_tokens=40, seed=0))
-    return ChatApp(pair, memory=lambda: 2**30, **kw)
-
-
-async def settle(pilot):
-    """Wait for the workers and the end of the turn (a cancelled thread worker still runs)."""
-    await pilot.app.workers.wait_for_complete()
-    # up to 30 s: a loaded 2-core CI machine once took over 5 s to end a tiny turn
-    for _ in range(3000):
-        if not pilot.app.busy:
-            break
-        await pilot.pause(0.01)
-    await pilot.pause()
-
-
-async def send(pilot, text: str):
-    prompt = pilot.app.query_one(PromptInput)
-    prompt.set_text(text)
-    await pilot.press("enter")
-    await settle(pilot)
-
-
-def last_answer(app) -> AssistantMessage:
-    return list(app.query(AssistantMessage))[-1]
 
 
 def errors(app) -> list[str]:

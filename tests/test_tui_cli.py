@@ -53,8 +53,8 @@ def test_chat_hands_settings_and_a_working_loader_to_the_app(captured, tiny_path
     assert (s.block_size, s.temperature, s.top_k, s.system_prompt) == (3, 0.5, 7, "Be brief.")
     assert captured["resume"] is True
     steps = []
-    pair = captured["loader"](steps.append)
-    assert pair.draft is not None and s.block_size == 3
+    pair, config = captured["loader"](steps.append)  # the pair and its speculation defaults
+    assert pair.draft is not None and s.block_size == 3 and config.lookup
 
 
 def test_python_m_tui_parses_the_same_options(captured, tiny_paths):

@@ -56,7 +56,8 @@ class ChatApp(ChatActions, App[None]):
     """Interactive chat with a target + DFlash draft pair.
 
     Args:
-        pair: a loaded `Pair`; or pass `loader`, called in a worker with a progress callback.
+        pair: a loaded `Pair`; or pass `loader`, called in a worker with a progress callback;
+            it returns the pair, or the pair and its `SpeculationConfig`.
         settings: generation and display settings.
         conversation_factory: builds the conversation (tests inject scripted event sources).
         resume: True for the latest transcript, or a transcript path.
@@ -96,6 +97,7 @@ class ChatApp(ChatActions, App[None]):
         self.baseline_tps = baseline_tps
         self.memory = memory or peak_memory
         self.conversation: Conversation | None = None
+        self.speculation = None  # the loader's SpeculationConfig (None: the pair's defaults)
         self.transcript = tr.Transcript()
         self.turns: list[dict] = []
         self.history: deque[int] = deque(maxlen=HISTORY)
@@ -135,6 +137,8 @@ class ChatApp(ChatActions, App[None]):
         except Exception as e:  # a bad model must not end the app
             self.call_from_thread(self._load_failed, view, e)
             return
+        if isinstance(pair, tuple):
+            pair, self.speculation = pair
         self.call_from_thread(self._pair_ready, pair)
 
     def _load_failed(self, view: LoadingView, exc: Exception) -> None:
@@ -157,7 +161,8 @@ class ChatApp(ChatActions, App[None]):
                 "enable_thinking" if s.reasoning in ("on", "off") else "reasoning_effort")
         s.block_size = min(s.block_size, self.max_block_size)
         self.conversation = self.conversation_factory(
-            pair, system=s.system_prompt, template_kwargs=s.template_kwargs())
+            pair, system=s.system_prompt, template_kwargs=s.template_kwargs(),
+            config=self.speculation)
         self.transcript = tr.Transcript(model=pair.target_id, draft=pair.draft_id)
         if self.resume:
             await self._resume(self.resume)

@@ -21,7 +21,7 @@ def registry_loader(settings: ChatSettings, *, model: str | None = None,
     Args:
         block_size: a size, or "auto" (from the measured verify cost, as in `generate`).
         min_confidence: the cut of unsure draft slots (None: the device's default).
-        lookup: context lookup for the draft's unsure slots (dflash_mlx/proposal.py).
+        lookup: context lookup for the draft's unsure slots (`dflash_mlx/proposal.py`).
     """
 
     def loader(progress):
@@ -37,7 +37,7 @@ def registry_loader(settings: ChatSettings, *, model: str | None = None,
         if entry is not None and entry.reasoning_kwarg:
             settings.reasoning_kwarg = entry.reasoning_kwarg
             settings.reasoning = settings.reasoning or entry.reasoning_default
-        return pair
+        return pair, loaded.speculation
 
     return loader
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..generate import stream_generate
+from ..proposal import SpeculationConfig
 from ..errors import InvalidArgumentError
 from ..stats import Stats
 
@@ -64,10 +65,12 @@ class Run:
         return self.decode_s / max(len(self.tokens), 1)
 
 
-def generate_once(pair, ids: list[int], block: int, sampling: dict) -> Run:
+def generate_once(pair, ids: list[int], block: int, sampling: dict,
+                  config: SpeculationConfig | None = None) -> Run:
+    """One generation at `block` (the rest of the policy from `config`, None: the defaults)."""
     stats, events = Stats(), []
     tic = time.perf_counter()
-    for ev in stream_generate(pair, ids, block_size=block, **sampling):
+    for ev in stream_generate(pair, ids, config, block_size=block, **sampling):
         stats.add(ev)
         events.append(ev)
     wall = time.perf_counter() - tic - stats.prompt_s  # decode wall time, prefill excluded
@@ -97,10 +100,12 @@ class Sample:
 
 def run(pair, prompt_sets: dict[str, list[list[str]]], encode: Callable[[list[dict]], list[int]],
         *, block_sizes: list[int], sampling: dict, repeats: int = 1,
-        progress: Callable[[str], None] | None = None) -> list[Sample]:
+        progress: Callable[[str], None] | None = None,
+        config: SpeculationConfig | None = None) -> list[Sample]:
     """Run AR (block 1) and every block size on every turn of every item.
 
     Args:
+        config: the speculation policy besides the block size (None: the pair's defaults).
         encode: messages → prompt ids (chat template, reasoning kwargs).
         sampling: max_tokens, temperature, top_p, top_k, seed for stream_generate.
     """
@@ -108,7 +113,7 @@ def run(pair, prompt_sets: dict[str, list[list[str]]], encode: Callable[[list[di
     blocks = [1] + [b for b in block_sizes if b != 1]
     warm = encode([{"role": "user", "content": WARMUP_PROMPT}])
     for b in blocks:
-        generate_once(pair, warm, b, {**sampling, "max_tokens": WARMUP_TOKENS})
+        generate_once(pair, warm, b, {**sampling, "max_tokens": WARMUP_TOKENS}, config)
     samples: list[Sample] = []
     count = 0
     for name, items in prompt_sets.items():
@@ -122,7 +127,8 @@ def run(pair, prompt_sets: dict[str, list[list[str]]], encode: Callable[[list[di
                 count += 1
                 for _ in range(repeats):
                     for b in order:
-                        sample.runs.setdefault(b, []).append(generate_once(pair, ids, b, sampling))
+                        run_ = generate_once(pair, ids, b, sampling, config)
+                        sample.runs.setdefault(b, []).append(run_)
                 samples.append(sample)
                 ar = sample.median(1)
                 say(f"{name} #{i} turn {t + 1}: AR {1 / ar.tpot:.1f} tok/s, " + ", ".join(

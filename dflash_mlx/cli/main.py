@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 import typer
 
 from . import render
-from .options import (  # the app and the options shared with cli_more
+from .options import (  # the app and the options shared with commands.py
     DEFAULT_BLOCK_SIZE, DEFAULT_MAX_TOKENS, R, ApiKeyOpt, BackendOpt, BaseUrlOpt, BlockSizeOpt,
     DraftBitsOpt, DraftOpt, LookupOpt, MaxTokensOpt, MinConfidenceOpt, ModelOpt, NoDraftOpt,
     NoTemplateOpt, PadVerifyOpt, ReasoningOpt, SeedOpt, SystemOpt, TempOpt, TopKOpt, TopPOpt,
@@ -88,8 +88,9 @@ def generate(
     pair, loaded = prepare.open_pair(spec, draft_bits, weights, _say(quiet), min_confidence,
                                       lookup, pad_verify)
     block = prepare.choose_block(pair, loaded, requested, None if quiet else render.note)
+    config = loaded.speculation.replace(block_size=block)
     ids = prepare.prompt_ids(pair, text, system_prompt, template_kwargs, not no_chat_template)
-    stats, tokens, interrupted, peak = _stream(pair, ids, block, sampling, writer, verbose)
+    stats, tokens, interrupted, peak = _stream(pair, ids, config, sampling, writer, verbose)
     if not quiet:
         for line in render.stats_lines(stats, peak, block):
             render.err.print(line, soft_wrap=True, markup=False)
@@ -100,12 +101,12 @@ def generate(
         parity = run_parity(pair, ids, tokens, max_tokens)
         render.parity(pair, parity)
     if writer:
-        from .doctor import versions
+        from ..machine import versions
 
         writer.summary({
             "versions": versions(), **loaded.models(), "block_size": block,
-            "min_confidence": pair.min_confidence, "lookup": pair.lookup,
-            "verify_pad": pair.verify_pad, "sampling": sampling, "chat_template": not no_chat_template, "reasoning": reasoning,
+            "min_confidence": config.min_confidence, "lookup": config.lookup,
+            "verify_pad": dict(config.verify_pad), "sampling": sampling, "chat_template": not no_chat_template, "reasoning": reasoning,
             "prompt_ids": len(ids), "stats": stats.as_dict(), "peak_memory_gb": round(peak, 4),
             "interrupted": interrupted, "parity": asdict(parity) if parity else None,
         })
@@ -116,7 +117,7 @@ def generate(
         raise typer.Exit(1)
 
 
-def _stream(pair, ids, block, sampling, writer, verbose):
+def _stream(pair, ids, config, sampling, writer, verbose):
     """Stream blocks to stdout; Ctrl-C stops at a block boundary with the caches intact."""
     import mlx.core as mx
 
@@ -125,7 +126,7 @@ def _stream(pair, ids, block, sampling, writer, verbose):
 
     stats, tokens, out = Stats(), [], render.TextStream()
     mx.reset_peak_memory()
-    gen = stream_generate(pair, ids, block_size=block, **sampling)
+    gen = stream_generate(pair, ids, config, **sampling)
     interrupted = False
     try:
         for i, ev in enumerate(gen):
@@ -162,7 +163,7 @@ def models(
                 for e in entries]
         typer.echo(json.dumps(rows, indent=1))
         return
-    from .doctor import memory_gb
+    from ..machine import memory_gb
 
     ram = memory_gb().get("total_gb")
     render.out.print(render.models_table(entries, cached, ram))
@@ -187,20 +188,22 @@ def doctor(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ):
     """Check this machine: MLX, BLAS, memory, and the verify-cost curve behind the block size."""
+    from .. import machine as facts
+    from ..cpu import cost
     from . import doctor as doc
 
     if shape not in doc.SHAPES:
         raise InvalidArgumentError(f"--shape must be one of {', '.join(doc.SHAPES)}, got {shape!r}")
     if repeats < 1 or context < 1:
         raise InvalidArgumentError("--repeats and --context must be at least 1")
-    if not 1 <= tau <= doc.TAU_BLOCK:
-        raise InvalidArgumentError(f"--tau is τ at block {doc.TAU_BLOCK}: between 1 and "
-                                   f"{doc.TAU_BLOCK}, got {tau:g}")
+    if not 1 <= tau <= cost.TAU_BLOCK:
+        raise InvalidArgumentError(f"--tau is τ at block {cost.TAU_BLOCK}: between 1 and "
+                                   f"{cost.TAU_BLOCK}, got {tau:g}")
     from . import prepare
 
     prepare.check_load_options(draft_bits, weights)
     say = None if as_json else render.progress
-    report = {"versions": doc.versions(), "machine": doc.machine(), "blas": doc.blas_report()}
+    report = {"versions": facts.versions(), "machine": facts.machine(), "blas": doc.blas_report()}
     if say:
         render.machine(report)
     if model is not None:
@@ -211,15 +214,15 @@ def doctor(
         subject = f"{loaded.spec.target} + {loaded.spec.draft or 'no draft (draft cost left out)'}"
     else:
         pair = doc.synthetic_pair(shape, weights)
-        key = doc.model_key(f"synthetic:{shape}", None, pair.weights, "synthetic-draft", 4)
+        key = cost.model_key(f"synthetic:{shape}", None, pair.weights, "synthetic-draft", 4)
         subject = (f"built-in random {shape}-shaped target ({pair.weights}) with a "
                    f"{pair.draft.config.num_hidden_layers}-layer DFlash draft")
     if say:
         say(f"measuring verify cost on {subject} (widths 1..8, {repeats} rounds)...")
-    curve = doc.measure(pair, context=context, repeats=repeats)
-    doc.store(key, curve)
-    rows = doc.plan(curve, tau, max_block=pair.draft.config.block_size if pair.draft else None)
-    best = doc.recommend(rows)
+    curve = cost.measure(pair, context=context, repeats=repeats)
+    cost.store(key, curve)
+    rows = cost.plan(curve, tau, max_block=pair.draft.config.block_size if pair.draft else None)
+    best = cost.recommend(rows)
     pads = curve.pads()
     report.update(subject=subject, curve=asdict(curve), tau=tau, verify_pad=pads,
                   plan=[asdict(r) for r in rows], recommended_block_size=best.block_size)
@@ -243,7 +246,7 @@ def doctor(
                "speculation is unlikely to pay at this τ; compare with --no-draft")
     render.out.print(f"Recommended block size: [bold]{best.block_size}[/] "
                      f"(predicted {best.speedup:.2f}× at τ {tau:g}@5; {verdict}). "
-                     f"Cached for `--block-size auto` in {doc.cache_file()}", soft_wrap=True)
+                     f"Cached for `--block-size auto` in {cost.cache_file()}", soft_wrap=True)
 
 
 @app.command()
@@ -284,7 +287,7 @@ def benchmark(
     from . import prepare
     from .. import registry
     from ..server import cli as server_cli
-    from .doctor import machine, versions
+    from ..machine import machine, versions
 
     sampling = prepare.check_sampling(max_tokens, temp, top_p, top_k, seed)
     if server_cli.is_remote(backend, base_url):
@@ -311,12 +314,13 @@ def benchmark(
         prepare.check_block_size(pair, b)
     encode = prepare.encoder(pair, template_kwargs)
     samples = bench.run(pair, sets, encode, block_sizes=blocks, sampling=sampling,
-                        repeats=repeats, progress=render.note)
+                        repeats=repeats, progress=render.note, config=loaded.speculation)
     rows = bench.summarize(samples, blocks, greedy=temp == 0)
     render.out.print(render.bench_table(rows, f"{loaded.spec.target} + {loaded.spec.draft}"))
     if out is not None:
-        settings = {**sampling, "block_sizes": blocks, "min_confidence": pair.min_confidence,
-                    "lookup": pair.lookup, "verify_pad": pair.verify_pad,
+        spec_ = loaded.speculation
+        settings = {**sampling, "block_sizes": blocks, "min_confidence": spec_.min_confidence,
+                    "lookup": spec_.lookup, "verify_pad": dict(spec_.verify_pad),
                     "num_prompts": num_prompts,
                     "repeats": repeats, "reasoning": reasoning, "datasets": names,
                     "warmup": f"{bench.WARMUP_TOKENS} tokens per system on {bench.WARMUP_PROMPT!r}"}
@@ -327,8 +331,8 @@ def benchmark(
         render.note(f"card written to {out}")
 
 
-# chat, serve, train-draft, fetch-demo live in cli_more; importing it registers them
-from . import commands as cli_more  # noqa: E402,F401  (registers its commands)
+# chat, serve, train-draft, fetch-demo live in commands.py; importing it registers them
+from . import commands  # noqa: E402,F401  (registers its commands)
 
 if __name__ == "__main__":
     app()

@@ -13,6 +13,8 @@ from typing import Callable
 
 from .. import registry
 from ..errors import InvalidArgumentError
+from ..generate import check_sampling  # noqa: F401  (re-exported for the commands)
+from ..proposal import SpeculationConfig
 
 Say = Callable[[str], None] | None
 
@@ -28,6 +30,8 @@ class Loaded:
     draft_revision: str | None
     draft_bits: int
     weights: str
+    # this pair's speculation defaults on this device (block size settled by `choose_block`)
+    speculation: SpeculationConfig = SpeculationConfig()
 
     def models(self) -> dict:
         return {
@@ -41,26 +45,15 @@ class Loaded:
         }
 
     def cost_key(self) -> str:
-        from .doctor import model_key
+        from ..cpu.cost import model_key
 
         return model_key(self.spec.target, self.target_revision, self.weights, self.spec.draft,
                          self.draft_bits)
 
 
-def check_sampling(max_tokens: int, temp: float, top_p: float, top_k: int,
-                   seed: int | None) -> dict:
-    """stream_generate's sampling kwargs, validated with the engine's own checks."""
-    from ..generate import _check_args
-    from ..sample_utils import SamplingParams
-
-    _check_args(None, 1, max_tokens, SamplingParams(float(temp), float(top_p), int(top_k)))
-    return {"max_tokens": max_tokens, "temperature": temp, "top_p": top_p, "top_k": top_k,
-            "seed": seed}
-
-
 def check_load_options(draft_bits: int | None, weights: str,
                        min_confidence: float | None = None) -> None:
-    from ..load import DRAFT_BITS, WEIGHT_POLICIES
+    from ..cpu.policy import DRAFT_BITS, WEIGHT_POLICIES
 
     if draft_bits is not None and draft_bits not in DRAFT_BITS:
         raise InvalidArgumentError(f"--draft-bits must be 4, 8 or 16 (16 keeps the draft as is), "
@@ -124,10 +117,11 @@ def open_pair(spec: registry.Spec, draft_bits: int | None, weights: str, say: Sa
               pad_verify: bool = True):
     """Download what `spec` names (narrow patterns, progress bars) and load it.
 
-    `lookup` sets the pair's default for context lookup (`lookup.py`); `pad_verify` lets
-    verify passes run at a wider, cheaper width (`verify_pads`). Returns (pair, Loaded).
+    `min_confidence` and `lookup` settle `Loaded.speculation` (None: the device's default);
+    `pad_verify` lets verify passes run at a wider, cheaper width (`verify_pads`).
+    Returns (pair, Loaded).
     """
-    from ..load import DRAFT_PATTERNS, MODEL_PATTERNS, load, resolve
+    from ..utils import DRAFT_PATTERNS, MODEL_PATTERNS, load, resolve
 
     check_load_options(draft_bits, weights, min_confidence)
     if say and spec.entry and spec.entry.missing:
@@ -139,17 +133,16 @@ def open_pair(spec: registry.Spec, draft_bits: int | None, weights: str, say: Sa
     d_path = None
     if spec.draft is not None:
         d_path = resolve(spec.draft, DRAFT_PATTERNS, spec.draft_revision, progress=bars)
-    pair = load(t_path, d_path, draft_bits=draft_bits, weights=weights, progress=say,
-                min_confidence=min_confidence)
-    pair.lookup = lookup
+    pair = load(t_path, d_path, draft_bits=draft_bits, weights=weights, progress=say)
     loaded = Loaded(
         spec, t_path, d_path,
         spec.target_revision or registry.snapshot_revision(t_path),
         None if d_path is None else spec.draft_revision or registry.snapshot_revision(d_path),
         pair.draft_bits if d_path is not None else 16, pair.weights,
     )
-    if pad_verify:
-        pair.verify_pad = verify_pads(pair, loaded, say)
+    pads = verify_pads(pair, loaded, say) if pad_verify else {}
+    loaded.speculation = SpeculationConfig.for_pair(pair, min_confidence=min_confidence,
+                                                    lookup=lookup, verify_pad=pads)
     return pair, loaded
 
 
@@ -160,11 +153,11 @@ def verify_pads(pair, loaded: Loaded, say: Say = None) -> dict[int, int]:
     curve is measured once per machine and model (a few seconds) and cached, as for
     `--block-size auto`.
     """
-    from ..load import on_cpu
+    from ..cpu.policy import on_cpu
 
     if pair.draft is None or not on_cpu():
         return {}
-    from .doctor import curve_for
+    from ..cpu.cost import curve_for
 
     # a miss measures the curve once (its rounds go to `say`) and caches it for later runs
     pads = curve_for(pair, loaded.cost_key(), say)[0].pads()
@@ -180,7 +173,7 @@ def choose_block(pair, loaded: Loaded, requested: int | str, say: Say = None) ->
     if pair.draft is None:
         return 1
     if requested == "auto":
-        from .doctor import auto_block_size
+        from ..cpu.cost import auto_block_size
 
         best, hit = auto_block_size(pair, loaded.cost_key())
         if say:

@@ -175,7 +175,7 @@ def load_demo_feature_target(num_taps: int = 5):
     import mlx.core as mx
 
     from ..models.config import build_target_layer_ids
-    from ..load import convert_weights
+    from ..utils import convert_weights
     from ..models.target import Target
 
     model, tok = load_demo_target()

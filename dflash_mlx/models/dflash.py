@@ -13,8 +13,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
+from .cache import ContextCache
 from .config import DraftConfig
-from ..proposal import Hint, merge
 
 # Meta's assistant head stores the context projection under different names.
 KEY_REMAP = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
@@ -111,71 +111,6 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class ContextCache:
-    """Context-only K/V of one draft layer, kept in temporal order at absolute positions.
-
-    Block K/V are never stored, so a rejected block leaves nothing to crop. `max_rows`
-    bounds memory for sliding-window layers; `offset` stays absolute for RoPE and masks.
-    """
-
-    def __init__(self, max_rows: int | None = None):
-        self.max_rows = max_rows
-        self.offset = 0  # absolute position after the last stored row
-        self.start = 0  # absolute position of the first stored row
-        self.keys = self.values = None
-
-    def append(self, k: mx.array, v: mx.array):
-        if self.keys is None:
-            self.keys, self.values = k, v
-        else:
-            self.keys = mx.concatenate([self.keys, k], axis=2)
-            self.values = mx.concatenate([self.values, v], axis=2)
-        self.offset += k.shape[2]
-        if self.max_rows is not None and self.keys.shape[2] > self.max_rows:
-            drop = self.keys.shape[2] - self.max_rows
-            self.keys, self.values = self.keys[:, :, drop:], self.values[:, :, drop:]
-            self.start += drop
-
-    def skip(self, n: int):
-        """Advance the absolute position without storing rows (window-limited prefill)."""
-        assert self.keys is None, "skip() only before the first append"
-        self.offset += n
-        self.start += n
-
-    def trim(self, n: int) -> int:
-        """Drop the last `n` positions. Going back past `start` (rows a window already
-        dropped) empties the cache at the new, still absolute, position: the draft then sees
-        less context for a while, which costs acceptance, never exactness."""
-        n = min(n, self.offset)
-        if n > 0:
-            self.offset -= n
-            keep = max(self.offset - self.start, 0)
-            self.start = min(self.start, self.offset)
-            if keep == 0:
-                self.keys = self.values = None
-            else:
-                self.keys, self.values = self.keys[:, :, :keep], self.values[:, :, :keep]
-        return n
-
-    def size(self) -> int:
-        return self.offset - self.start
-
-    @property
-    def state(self):
-        return (self.keys, self.values) if self.keys is not None else ()
-
-
-def joint_keep(confidence: list[float], min_confidence: float) -> int:
-    """How many leading slots the cut keeps: while their probabilities' product reaches it."""
-    keep, joint = 0, 1.0
-    for c in confidence:
-        joint *= c
-        if joint < min_confidence:
-            break
-        keep += 1
-    return keep
-
-
 @dataclass
 class Borrowed:
     """The target's embedding and LM head, held outside the module tree.
@@ -200,7 +135,6 @@ class DFlashDraftModel(nn.Module):
         self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self._borrowed: Borrowed | None = None
-        self.window_limit: int | None = None  # user bound on context rows (--draft-window)
 
     def bind(self, target) -> "DFlashDraftModel":
         """Borrow the target's embedding and LM head (tied or not)."""
@@ -225,19 +159,20 @@ class DFlashDraftModel(nn.Module):
     def is_bound(self) -> bool:
         return self._borrowed is not None
 
-    def make_cache(self) -> list[ContextCache]:
+    def make_cache(self, window: int | None = None) -> list[ContextCache]:
+        """One context cache per layer; `window` bounds every layer's rows (--draft-window)."""
         cfg = self.config
         caches = []
         for i in range(cfg.num_hidden_layers):
             rows = cfg.sliding_window - 1 if cfg.layer_is_sliding(i) else None
-            if self.window_limit is not None:
-                rows = min(rows or self.window_limit, self.window_limit)
+            if window is not None:
+                rows = min(rows or window, window)
             caches.append(ContextCache(rows))
         return caches
 
-    def context_rows_needed(self) -> int | None:
+    def context_rows_needed(self, window: int | None = None) -> int | None:
         """How many trailing context rows the draft can ever read (None = all)."""
-        limits = [c.max_rows for c in self.make_cache()]
+        limits = [c.max_rows for c in self.make_cache(window)]
         return None if any(r is None for r in limits) else max(limits)
 
     def embed(self, ids: mx.array) -> mx.array:
@@ -279,36 +214,22 @@ class DFlashDraftModel(nn.Module):
 
     def propose(
         self, block_ids: mx.array, context: mx.array | None, cache: list[ContextCache],
-        params=None, key: mx.array | None = None, min_confidence: float = 0.0,
-        lookup: Hint | None = None,
-    ) -> tuple[mx.array, mx.array | None]:
-        """Draft tokens for slots 1..L-1 and their proposal distribution (None = one-hot).
+        params=None, key: mx.array | None = None, confidence: bool = False,
+    ) -> tuple[mx.array, mx.array | None, mx.array | None]:
+        """Draft tokens for slots 1..L-1, their proposal distribution (None = one-hot) and,
+        with `confidence`, each slot's proposal probability (else None).
 
         The block is drafted at the trained width (`slot_hidden`) and cut back to L-1 slots.
-
         v1 drafts propose the per-slot argmax: the slots are independent marginals, so
         sampling them would give an incoherent block; a one-hot q keeps the sampler exact.
         `params` (SamplingParams) and `key` are for DFlash 2's selector; v1 ignores them.
-
-        `min_confidence` > 0 keeps the leading slots while the product of their proposal
-        probabilities (the draft's own odds that all of them are accepted) reaches it, so the
-        target verifies fewer tokens where the draft is unsure: that pays where each verified
-        token costs (the CPU). Slot k adds a token only if slots 1..k all hold, so the product,
-        not slot k's own probability, is what its verify cost buys. The cut depends on the
-        proposal alone, so the verification, and with it the output distribution, is unchanged.
-
-        `lookup` (see `lookup.py`) carries the context, where continuations of the block found
-        earlier may take over its unsure slots; `lookup.start` records where one did.
+        What to verify of this (the cut, the context lookup) is `proposal.py`'s business.
         """
         hidden = self.slot_hidden(block_ids, context, cache)
-        if min_confidence <= 0 and lookup is None:
-            return self.greedy_tokens(hidden)[0], None
-        ids, confidence = self.tokens_and_confidence(hidden[0])
-        ids, confidence = ids.tolist(), confidence.tolist()
-        if lookup is not None:
-            ids, confidence, lookup.start = merge(ids, confidence, lookup.context)
-        keep = joint_keep(confidence, min_confidence) if min_confidence > 0 else len(ids)
-        return mx.array(ids[:keep], dtype=mx.int32), None
+        if not confidence:
+            return self.greedy_tokens(hidden)[0], None, None
+        ids, probs = self.tokens_and_confidence(hidden[0])
+        return ids, None, probs
 
     def slot_hidden(self, block_ids: mx.array, context: mx.array | None,
                     cache: list[ContextCache]) -> mx.array:

@@ -146,15 +146,14 @@ class DFlash2DraftModel(DFlashDraftModel):
         self.layers = [DFlash2DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
         self.candidate_selector = CandidateSelector(cfg)
 
-    def propose(self, block_ids, context, cache, params=None, key=None, min_confidence=0.0,
-                lookup=None):
+    def propose(self, block_ids, context, cache, params=None, key=None, confidence=False):
         """The selector's path for slots 1..γ, and its q scattered to dense (γ, V) rows at T>0.
 
-        `min_confidence` and `lookup` are v1 knobs: the selector walks one joint path with a
-        recorded q, so both are ignored.
+        The selector walks one joint path with a recorded q, so it has no per-slot confidence
+        (the third value is always None) and takes neither the cut nor the lookup.
 
         The dense rows hold the K candidate probabilities at their ids and 0 elsewhere, so
-        `verify.rejection_sample` accepts iff u·q(d) < p(d) and draws the next token from
+        `sample_utils.rejection_sample` accepts iff u·q(d) < p(d) and draws the next token from
         max(p − q, 0) renormalised — p minus q on the candidate ids.
         """
         temperature = 0.0 if params is None else params.temperature
@@ -164,9 +163,9 @@ class DFlash2DraftModel(DFlashDraftModel):
             block_ids[0, :1], cand, unary, succ, temperature, key
         )
         if q is None:
-            return tokens[0], None
+            return tokens[0], None, None
         dense = mx.zeros((cand.shape[0], self.config.vocab_size), dtype=mx.float32)
-        return tokens[0], mx.put_along_axis(dense, cand, q[0], axis=-1)
+        return tokens[0], mx.put_along_axis(dense, cand, q[0], axis=-1), None
 
     @staticmethod
     def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:

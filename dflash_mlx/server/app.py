@@ -2,7 +2,7 @@
 
 Endpoints: POST /v1/chat/completions and /v1/completions (SSE streaming or not), GET
 /v1/models and /health. Requests are checked and tokenized on the event loop, then run one
-at a time by `server_worker.Worker`. Every failure is an OpenAI-style error body with a 4xx
+at a time by `worker.Worker`. Every failure is an OpenAI-style error body with a 4xx
 or 5xx code; nothing a client sends ends the server. Beyond OpenAI's fields, responses carry
 `speculation` (τ, per-position acceptance, drafted and accepted counts) and
 `usage.prompt_tokens_details.cached_tokens` (prompt tokens served from the reused caches).

@@ -132,4 +132,5 @@ def serve(spec, requested, *, draft_bits: int | None, weights: str, min_confiden
     how = f"DFlash block {block}" if block > 1 else "plain autoregressive"
     render.note(f"serving {model_id} ({how}) on http://{where}:{bound}/v1"
                 f"{' with an API key' if api_key else ''}; Ctrl-C stops")
-    run(Worker(pair, block, queue_size), cfg, sock, log_level)
+    run(Worker(pair, loaded.speculation.replace(block_size=block), queue_size), cfg, sock,
+        log_level)

@@ -118,7 +118,7 @@ def settings(body: dict, cfg: ServerConfig) -> dict:
     }
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = _number({"max_tokens": limit}, "max_tokens", None, integer=True)
-    from ..cli.prepare import check_sampling
+    from ..generate import check_sampling
 
     try:
         check_sampling(1 if max_tokens is None else max_tokens, sampling["temperature"], sampling["top_p"],

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..generate import Session, stream_generate
+from ..proposal import SpeculationConfig
 from ..errors import DFlashError, InvalidArgumentError
 from ..stats import Stats
 
@@ -131,10 +132,10 @@ def speculation(stats: Stats, drafted: int, accepted: int, block_size: int) -> d
 class Worker:
     """Runs jobs one at a time on a dedicated thread, reusing one session's caches."""
 
-    def __init__(self, pair, block_size: int, queue_size: int = 64):
+    def __init__(self, pair, config: SpeculationConfig, queue_size: int = 64):
         if queue_size < 1:
             raise InvalidArgumentError(f"--queue-size must be at least 1, got {queue_size}")
-        self.pair, self.block_size = pair, block_size
+        self.pair, self.config = pair, config
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self.session = self._new_session()
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
@@ -145,9 +146,7 @@ class Worker:
         self.thread = threading.Thread(target=self._loop, name="dflash-engine", daemon=True)
 
     def _new_session(self) -> Session:
-        if self.block_size > 1:
-            return Session.new(self.pair)
-        return Session(self.pair.target.make_cache(), None)
+        return Session.new(self.pair, self.config)
 
     def start(self) -> "Worker":
         self.thread.start()
@@ -220,8 +219,8 @@ class Worker:
         stats, stop = Stats(), StopFilter(job.stop)
         drafted = accepted = 0
         finish = None
-        gen = stream_generate(self.pair, job.ids, block_size=self.block_size,
-                              session=self.session, **job.sampling)
+        gen = stream_generate(self.pair, job.ids, self.config, session=self.session,
+                              **job.sampling)
         try:
             for ev in gen:
                 stats.add(ev)
@@ -242,4 +241,4 @@ class Worker:
             gen.close()  # stops at this block boundary; the engine leaves the caches exact
         self.counts["cancelled" if finish == "cancelled" else "completed"] += 1
         job.emit(Done(finish or "stop", len(job.ids), stats.reused_tokens, stats.tokens,
-                      speculation(stats, drafted, accepted, self.block_size)))
+                      speculation(stats, drafted, accepted, self.config.block_size)))

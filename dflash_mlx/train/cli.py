@@ -1,6 +1,6 @@
 """`dflash-mlx train-draft`: build features once, then train with a live progress bar.
 
-CLI-side code (it prints); the engine part is `train_data.py` and `train.py`.
+CLI-side code (it prints); the engine part is `data.py` and `trainer.py`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def build_features(pair, out: Path, *, prompts: int, max_tokens: int, batch: int
 def write_vocab(draft, out: Path, shards, held, size: int, trained_through: bool) -> None:
     """Ship a restricted proposal head (draft_vocab.json) and report what it costs in τ."""
     from ..models import draft_vocab
-    from .trainer import BlockSampler
+    from .blocks import BlockSampler
     from .eval import heldout_tau
 
     if trained_through:  # the trainer already wrote the ids its loss went through
@@ -72,8 +72,9 @@ def run(model: str, out: Path, *, features: Path | None, prompts: int, max_token
     import mlx.core as mx
 
     from ..models.dflash import DFlashDraftModel
-    from ..load import check_pair, load, load_draft
-    from .trainer import TrainConfig, new_draft_config, pick_mask_token, train
+    from ..utils import check_pair, load, load_draft
+    from .config import TrainConfig
+    from .trainer import new_draft_config, pick_mask_token, train
     from .data import load_shards, split_heldout
 
     if block_size < 2 or min(layers, steps, seqs, anchors) < 1:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .trainer import BlockSampler, TrainConfig, block_labels, packed_hidden
+from .blocks import BlockSampler, block_labels, packed_hidden
+from .config import TrainConfig
 from .data import FeatureShard
 
 

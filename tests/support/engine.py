@@ -50,9 +50,9 @@ class OracleDraft(DFlashDraftModel):
     oracle: Oracle | None = None
 
     def propose(self, block_ids, context, cache, **kw):
-        tokens, q = super().propose(block_ids, context, cache, **kw)
+        tokens, q, conf = super().propose(block_ids, context, cache, **kw)
         if self.oracle is None:
-            return tokens, q
+            return tokens, q, conf
         o = self.oracle
         pos = cache[0].offset  # absolute position of block slot 0
         out = []
@@ -62,7 +62,7 @@ class OracleDraft(DFlashDraftModel):
             if o.rng.random() < o.p_wrong:
                 tok = o.rng.randrange(self.config.vocab_size)
             out.append(tok)
-        return mx.array(out, dtype=mx.uint32), q
+        return mx.array(out, dtype=mx.uint32), q, None  # no confidence: verified whole
 
 
 class Recording:

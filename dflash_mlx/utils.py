@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .models.config import DraftConfig
 from .models.dflash import DFlashDraftModel
 from .models.draft_vocab import read as vocab_ids
+from .cpu.policy import DRAFT_BITS, auto_draft_bits, weights_dtype
 from .errors import CheckpointError, DFlashError, ModelNotFoundError, PairMismatchError
 from .models.hybrid import target_for
 from .models.target import Target
@@ -22,14 +23,16 @@ from .models.target import Target
 # Never *.py (no remote code) and never *.bin / *.pt (no pickle).
 MODEL_PATTERNS = ["*.safetensors", "*.json", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt"]
 DRAFT_PATTERNS = ["*.safetensors", "*.json"]
-WEIGHT_POLICIES = ("auto", "quantized", "float32", "bfloat16")
-DRAFT_BITS = (4, 8, 16)
 DRAFT_GROUP_SIZE = 64
 
 
 @dataclass
 class Pair:
-    """A target, an optional draft bound to it, and the target's tokenizer."""
+    """A target, an optional draft bound to it, and the target's tokenizer: loaded things only.
+
+    How to speculate with it (block size, cut, lookup, padding, draft window) is a
+    `SpeculationConfig` handed to `stream_generate`.
+    """
 
     target: Target
     draft: DFlashDraftModel | None
@@ -39,29 +42,6 @@ class Pair:
     weights: str = "quantized"
     draft_bits: int = 16
     info: dict = field(default_factory=dict)
-    min_confidence: float = 0.0  # stream_generate's default (see `auto_min_confidence`)
-    lookup: bool = True  # stream_generate's default: context lookup for v1 drafts (lookup.py)
-    # {W: W'}: verify W tokens in a pass of W' rows where the BLAS runs that faster (doctor.py)
-    verify_pad: dict[int, int] = field(default_factory=dict)
-
-
-def on_cpu() -> bool:
-    return mx.default_device() == mx.cpu
-
-
-# On the CPU every verified token costs, so slots the draft is unsure of are cut before
-# verifying: slot k pays for itself when the draft's odds that slots 1..k all hold beat its
-# share of the round's cost. With verify padding (OpenBLAS: 5 rows run as 8) a slot costs ~4%
-# of a step; replayed on prompts outside the benchmark, cuts 0.05-0.25 come within 1% of the
-# best, and the lowest of them keeps the most slots (τ). On a GPU a wider verify is nearly
-# free: no cut.
-CPU_MIN_CONFIDENCE = 0.05
-
-
-def auto_min_confidence(draft) -> float:
-    if draft is None or draft.config.is_dflash2:
-        return 0.0  # DFlash 2's selector walks one joint path; it has no per-slot cut
-    return CPU_MIN_CONFIDENCE if on_cpu() else 0.0
 
 
 def resolve(path_or_repo: str | os.PathLike, patterns: list[str], revision: str | None = None,
@@ -216,24 +196,6 @@ def check_pair(target: Target, cfg: DraftConfig) -> None:
     target.set_taps(cfg.target_layer_ids)
 
 
-def auto_draft_bits(dtype: mx.Dtype | None) -> int:
-    """4 while the target stays quantized; 16 when it runs dense, since a dense policy
-    dequantizes the draft too: rounding it to 4 bits first would cost accuracy (demo pair on
-    the CPU: τ +0.01 replayed on items the benchmark never runs, +0.002 on the benchmark) and
-    save nothing."""
-    return 4 if dtype is None else 16
-
-
-def weights_dtype(weights: str) -> mx.Dtype | None:
-    """The dense dtype a weight policy asks for (None: keep the checkpoint's quantization)."""
-    if weights not in WEIGHT_POLICIES:
-        raise DFlashError(f"weights must be one of {', '.join(WEIGHT_POLICIES)}, got {weights!r}")
-    if weights == "auto":
-        # MLX's CPU 4-bit matmul costs ∝ verify width; dense float32 makes speculation pay.
-        return mx.float32 if on_cpu() else None
-    return {"quantized": None, "float32": mx.float32, "bfloat16": mx.bfloat16}[weights]
-
-
 def load(
     target: str | os.PathLike,
     draft: str | os.PathLike | None,
@@ -242,10 +204,8 @@ def load(
     weights: str = "auto",
     progress: Callable[[str], None] | None = None,
     revisions: tuple[str | None, str | None] = (None, None),
-    draft_window: int | None = None,
     selector_bits: int | None = None,
     draft_vocab: bool = True,
-    min_confidence: float | None = None,
 ) -> Pair:
     """Load a target (mlx-lm folder, .gguf file or Hub repo) and a DFlash draft.
 
@@ -255,11 +215,7 @@ def load(
             `auto_draft_bits` (16 under a dense weights policy, else 4).
         weights: "auto" (float32 on the CPU device, as loaded on a GPU), "quantized",
             "float32" or "bfloat16".
-        draft_window: keep at most this many context rows in the draft's KV cache
-            (`--draft-window`; None = the draft config's own sliding windows only).
         selector_bits: 4 or 8 quantizes a DFlash 2 selector too (None keeps it as loaded).
-        min_confidence: the pair's default cut of unsure draft slots (`stream_generate`);
-            None: `auto_min_confidence` (0.05 on the CPU device for v1 drafts, else 0).
         draft_vocab: use the draft's `draft_vocab.json` (a restricted proposal head) if it
             ships one; verification stays exact either way.
     """
@@ -269,8 +225,6 @@ def load(
         draft_bits = auto_draft_bits(dtype)
     if draft_bits not in DRAFT_BITS:
         raise DFlashError(f"--draft-bits must be one of 4, 8, 16, got {draft_bits}")
-    if min_confidence is not None and not 0 <= min_confidence <= 1:
-        raise DFlashError(f"--min-confidence must be in [0, 1], got {min_confidence}")
     say(f"loading target {target}")
     t_path = resolve(target, MODEL_PATTERNS, revisions[0], progress=progress is not None)
     model, tokenizer = load_target(t_path)
@@ -286,19 +240,13 @@ def load(
         d_model = load_draft(d_path, draft_bits, selector_bits)
         if dtype is not None:
             convert_weights(d_model, dtype)
-        if draft_window is not None:
-            if draft_window < 1:
-                raise DFlashError(f"--draft-window must be at least 1, got {draft_window}")
-            d_model.window_limit = int(draft_window)
         d_model.bind(tgt)
         folder = d_path if d_path.is_dir() else d_path.parent
         if draft_vocab and not cfg.is_dflash2:
             d_model.restrict_head(vocab_ids(folder))
     policy = weights if weights != "auto" else ("float32" if dtype is not None else "quantized")
-    if min_confidence is None:
-        min_confidence = auto_min_confidence(d_model)
     return Pair(tgt, d_model, tokenizer, str(target), None if draft is None else str(draft),
-                weights=policy, draft_bits=draft_bits, min_confidence=float(min_confidence))
+                weights=policy, draft_bits=draft_bits)
 
 
 def pair_from_models(model: nn.Module, tokenizer, draft: DFlashDraftModel | None = None,

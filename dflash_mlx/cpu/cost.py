@@ -1,0 +1,224 @@
+"""The measured verify-cost curve behind verify padding and `--block-size auto`.
+
+Speculation pays when τ (tokens per verify round) beats the cost of one round relative to one
+plain AR step: verify(B) + draft(B). Both costs depend on the chip, the BLAS and the weights
+format, so they are measured here, not assumed, and cached per machine and model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import mlx.core as mx
+
+from ..machine import cpu_name
+from . import blas
+
+if TYPE_CHECKING:
+    from ..utils import Pair
+
+WIDTHS = tuple(range(1, 9))
+DEFAULT_TAU = 3.0  # τ at block 5 assumed for the recommendation (Mac 4-bit reports: 2.9-3.4)
+TAU_BLOCK = 5
+# Pad a verify pass only where the wider one is clearly cheaper: repeat timings vary a few %.
+PAD_MARGIN = 0.05
+
+
+@dataclass
+class CostCurve:
+    """One target pass of width W relative to W=1, and one draft pass relative to W=1."""
+
+    widths: list[int]
+    verify: list[float]
+    draft: list[float | None]
+    step_ms: float
+    context: int
+    measured_at: str
+
+    def cost(self, block: int) -> tuple[float, float]:
+        """(verify, draft) of one round at `block`; the verify as padded (see `pads`)."""
+        i = self.widths.index(block)
+        j = self.widths.index(self.pads().get(block, block))
+        return self.verify[j], self.draft[i] or 0.0
+
+    def pads(self, margin: float = PAD_MARGIN) -> dict[int, int]:
+        """{W: wider W'} for the widths whose verify pass is cheaper run at a wider width.
+
+        BLAS kernels multiply token rows in fixed-size groups, so cost is not monotone in W:
+        with OpenBLAS here 5 rows cost more than 8 (4 + a lone row against 8 at once). The
+        engine then verifies W tokens in a pass of W' rows; the rows past W are padding.
+        """
+        out = {}
+        for i, w in enumerate(self.widths):
+            if w < 2:
+                continue
+            j = min(range(i, len(self.widths)), key=lambda k: self.verify[k])
+            if self.verify[j] < self.verify[i] * (1 - margin):
+                out[w] = self.widths[j]
+        return out
+
+
+@dataclass
+class Plan:
+    block_size: int
+    verify: float
+    draft: float
+    break_even: float
+    expected_tau: float
+    speedup: float
+
+
+def measure(pair: Pair, widths=WIDTHS, context: int = 256, repeats: int = 5,
+            progress: Callable[[str], None] | None = None) -> CostCurve:
+    """Time one target pass at each width (and one draft pass) after `context` cached tokens.
+
+    Widths are interleaved within each repeat so machine drift hits all of them alike; the
+    fastest of `repeats` is kept after one warm-up round (interference only adds time).
+    """
+    say = progress or (lambda _m: None)
+    tgt, draft = pair.target, pair.draft
+    vocab = tgt.vocab_size or 1000
+    cache = tgt.make_cache()
+    _, taps = tgt(mx.random.randint(0, vocab, (1, context)), cache, taps=draft is not None)
+    mx.eval([c.state for c in cache], taps)
+    d_cache = None
+    if draft is not None:
+        d_cache = draft.make_cache()
+        mask = draft.config.mask_token_id
+        mx.eval(draft.propose(mx.array([[0, mask]]), taps, d_cache)[0])
+    t_verify: dict[int, list[float]] = {w: [] for w in widths}
+    t_draft: dict[int, list[float]] = {w: [] for w in widths}
+    for r in range(repeats + 1):
+        say(f"verify-cost round {r + 1}/{repeats + 1}")
+        for w in widths:
+            ids = mx.random.randint(0, vocab, (1, w))
+            mx.eval(ids)
+            tic = time.perf_counter()
+            logits, t = tgt(ids, cache, taps=draft is not None and w > 1)
+            mx.eval(mx.argmax(logits, axis=-1), t)
+            elapsed = time.perf_counter() - tic
+            tgt.truncate(cache, context)
+            if r:
+                t_verify[w].append(elapsed)
+            if draft is None or w < 2:
+                continue
+            block = mx.array([[0] + [draft.config.mask_token_id] * (w - 1)])
+            tic = time.perf_counter()
+            mx.eval(draft.propose(block, taps[:, :w], d_cache)[0])
+            elapsed = time.perf_counter() - tic
+            for c in d_cache:
+                c.trim(w)
+            if r:
+                t_draft[w].append(elapsed)
+    step = min(t_verify[widths[0]])
+    return CostCurve(
+        widths=list(widths),
+        verify=[round(min(t_verify[w]) / step, 4) for w in widths],
+        draft=[round(min(t_draft[w]) / step, 4) if t_draft[w] else None for w in widths],
+        step_ms=round(step * 1e3, 3),
+        context=context,
+        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
+
+
+def tau_at(alpha: float, block: int) -> float:
+    """Expected τ at `block` if each draft position is accepted with probability alpha."""
+    return sum(alpha**k for k in range(block))
+
+
+def alpha_from_tau(tau: float, block: int = TAU_BLOCK) -> float:
+    tau = min(max(tau, 1.0), block - 1e-6)
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tau_at(mid, block) < tau else (lo, mid)
+    return lo
+
+
+def plan(curve: CostCurve, tau: float = DEFAULT_TAU, max_block: int | None = None) -> list[Plan]:
+    """Break-even τ, expected τ and predicted speedup for each block size 2..max."""
+    from ..stats import break_even_tau, predicted_speedup
+
+    alpha = alpha_from_tau(tau)
+    rows = []
+    for b in curve.widths:
+        if b < 2 or (max_block is not None and b > max_block):
+            continue
+        v, d = curve.cost(b)
+        exp = tau_at(alpha, b)
+        rows.append(Plan(b, v, d, break_even_tau(v, d), exp, predicted_speedup(exp, v, d)))
+    return rows
+
+
+def recommend(rows: list[Plan]) -> Plan:
+    return max(rows, key=lambda p: p.speedup)
+
+
+# -- cache: per machine and model ------------------------------------------------------------
+
+def machine_key() -> str:
+    from importlib.metadata import version
+
+    st = blas.status()  # the release, not just the name: its kernels shape the curve
+    return "|".join([platform.system(), platform.machine(), cpu_name(), str(mx.default_device()),
+                     f"mlx {version('mlx')}", st["version"] or st["active"]])
+
+
+def model_key(target: str, revision: str | None, weights: str, draft: str | None,
+              draft_bits: int) -> str:
+    return f"{target}@{revision or '-'}|{weights}|{draft or 'no-draft'}|draft-bits {draft_bits}"
+
+
+def cache_file() -> Path:
+    from ..demo.target import cache_dir
+
+    return cache_dir() / "verify-cost.json"
+
+
+def cached(key: str) -> CostCurve | None:
+    try:
+        raw = json.loads(cache_file().read_text()).get(machine_key(), {}).get(key)
+        return CostCurve(**raw) if raw else None
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def store(key: str, curve: CostCurve) -> Path:
+    path = cache_file()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    data.setdefault(machine_key(), {})[key] = asdict(curve)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def auto_block_size(pair: Pair, key: str, progress: Callable[[str], None] | None = None,
+                    tau: float = DEFAULT_TAU) -> tuple[Plan, bool]:
+    """The block size with the best predicted speedup; measures once per machine and model.
+
+    Returns (plan, whether the curve came from the cache).
+    """
+    curve, hit = curve_for(pair, key, progress)
+    return recommend(plan(curve, tau, max_block=pair.draft.config.block_size)), hit
+
+
+def curve_for(pair: Pair, key: str, progress: Callable[[str], None] | None = None
+              ) -> tuple[CostCurve, bool]:
+    """The cached cost curve of this machine and model, measured and stored on a miss."""
+    curve = cached(key)
+    if curve is not None:
+        return curve, True
+    curve = measure(pair, progress=progress)
+    store(key, curve)
+    return curve, False

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests (and a few scripts): import them as `support.<module>`."""
