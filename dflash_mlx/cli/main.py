@@ -150,6 +150,8 @@ def _stream(pair, ids, config, sampling, writer, verbose):
 @app.command()
 def models(
     as_json: Annotated[bool, typer.Option("--json", help="Print the registry as JSON.")] = False,
+    wide: Annotated[bool, typer.Option("--wide", help="Drafts, reasoning, sizes and notes "
+                                       "too (needs a wide terminal).")] = False,
 ):
     """List the registry's target → draft pairs, memory at 4-bit, and what is cached locally."""
     from .. import registry
@@ -166,9 +168,14 @@ def models(
     from ..machine import memory_gb
 
     ram = memory_gb().get("total_gb")
-    render.out.print(render.models_table(entries, cached, ram))
-    render.note(f"GB: download, then resident memory at 4-bit; 'here': vs 75% of this machine's "
-                f"{ram:.0f} GB; cached: target, draft in {registry.hub_cache()}.")
+    if wide:
+        render.out.print(render.models_wide(entries, cached, ram))
+        render.note(f"GB: download, then resident memory at 4-bit; 'here': vs 75% of this "
+                    f"machine's {ram:.0f} GB; cached: target, draft in {registry.hub_cache()}.")
+        return
+    render.out.print(render.models_table(entries, cached, ram, render.out.width))
+    render.note(f"GB: resident at 4-bit; here: vs 75% of {ram:.0f} GB RAM; cached: target, draft")
+    render.note("* needs what this version lacks; --wide: drafts, reasoning, notes")
 
 
 @app.command()

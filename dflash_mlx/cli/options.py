@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import functools
+import shutil
 from typing import Annotated, Optional
 
 import typer
@@ -15,10 +16,18 @@ from ..errors import DFlashError
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_BLOCK_SIZE = "5"
+RICH_HELP_COLUMNS = 100
 
 
 class App(typer.Typer):
     """A Typer app whose commands all turn a DFlashError into one line and exit code 2."""
+
+    def __call__(self, *args, **kwargs):
+        # Rich help panels squeeze option help into a narrow column below ~100 columns (and
+        # tag every flag `<bool>`); plain help reads better there.
+        self.rich_markup_mode = "rich" if shutil.get_terminal_size().columns >= RICH_HELP_COLUMNS \
+            else None
+        return super().__call__(*args, **kwargs)
 
     def command(self, *args, **kwargs):
         register = super().command(*args, **kwargs)

@@ -10,6 +10,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -180,7 +181,8 @@ def _gb(x: float | None) -> str:
     return "?" if x is None else f"{x:.1f}"
 
 
-def models_table(entries, cached: dict[str, tuple[bool, bool]], ram_gb: float | None) -> Table:
+def models_wide(entries, cached: dict[str, tuple[bool, bool]], ram_gb: float | None) -> Table:
+    """`models --wide`: every field of every entry, notes included."""
     t = Table(title="dflash-mlx models (models.toml)", title_justify="left", show_lines=True)
     t.add_column("name", no_wrap=True)
     t.add_column("target → draft, kind, reasoning, notes", overflow="fold", ratio=1)
@@ -197,16 +199,43 @@ def models_table(entries, cached: dict[str, tuple[bool, bool]], ram_gb: float | 
             lines.append(f"uses {', '.join(supported)}")
         if e.notes:
             lines.append(f"[dim]{escape(e.notes)}[/]")
-        status = []
-        if ram_gb is not None and e.memory_gb is not None:
-            status.append("[green]fits here[/]" if e.memory_gb <= 0.75 * ram_gb
-                          else "[red]too big here[/]")
+        status = [_fits(e, ram_gb)] if ram_gb is not None and e.memory_gb is not None else []
         if e.fits_64gb is False:
             status.append("[red]>64 GB Mac[/]")
-        t_ok, d_ok = cached.get(e.name, (False, False))
-        status.append(f"cached {'✓' if t_ok else '·'}{'✓' if d_ok else '·'}")
+        status.append(f"cached {_cached(cached, e.name)}")
         t.add_row(e.name, "\n".join(lines), f"{_gb(e.download_gb)}\n{_gb(e.memory_gb)}",
                   "\n".join(status))
+    return t
+
+
+def _fits(e, ram_gb: float) -> str:
+    return "[green]fits here[/]" if e.memory_gb <= 0.75 * ram_gb else "[red]too big here[/]"
+
+
+def _cached(cached: dict[str, tuple[bool, bool]], name: str) -> str:
+    t_ok, d_ok = cached.get(name, (False, False))
+    return f"{'✓' if t_ok else '·'}{'✓' if d_ok else '·'}"
+
+
+def models_table(entries, cached: dict[str, tuple[bool, bool]], ram_gb: float | None,
+                 width: int = 80) -> Table:
+    """`models`: one line per entry that fits `width` columns (`--wide` has the rest)."""
+    t = Table(title="dflash-mlx models (models.toml)", title_justify="left", box=box.SIMPLE_HEAD)
+    # fixed columns keep their width; the target repo id gives way (ellipsis)
+    name_w = max((len(e.name) for e in entries), default=4)
+    t.add_column("name", no_wrap=True, min_width=name_w)  # what --model takes: never cut
+    t.add_column("target (repo)", no_wrap=True, overflow="ellipsis", max_width=max(width - 44 - name_w, 12))
+    t.add_column("kind", no_wrap=True, min_width=10)
+    t.add_column("GB", justify="right", no_wrap=True, min_width=5)
+    t.add_column("here", no_wrap=True, min_width=7)
+    t.add_column("cached", no_wrap=True, min_width=6)
+    for e in entries:
+        kind = f"{e.kind} B{e.block_size}" + ("[yellow]*[/]" if e.missing else "")
+        here = "" if ram_gb is None or e.memory_gb is None else _fits(e, ram_gb)
+        repo = e.target.rpartition("/")[2]  # the org is in --wide
+        t.add_row(e.name, escape(repo), kind, _gb(e.memory_gb),
+                  here.replace("fits here", "fits").replace("too big here", "too big"),
+                  _cached(cached, e.name))
     return t
 
 
@@ -228,14 +257,18 @@ def doctor_tables(curve, rows, best) -> list[Table]:
 
 
 def bench_table(rows: list[dict], title: str) -> Table:
-    t = Table(title=title, title_justify="left",
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+              pad_edge=False, collapse_padding=True,  # ten columns in 80
               caption="speedup = AR time/token ÷ DFlash time/token (prefill excluded); τ = tokens "
               "per verify round; lookup = share of tokens from accepted context-lookup slots; "
               "match = outputs identical to AR greedy", caption_justify="left")
     for col in ("dataset", "B", "n", "speedup", "τ", "accept/pos", "lookup", "AR tok/s", "DF tok/s",
                 "match"):
         left = col in ("dataset", "accept/pos")
-        t.add_column(col, justify="left" if left else "right", no_wrap=col == "dataset")
+        # a header is never cut; the per-position rates fold instead
+        t.add_column(col, justify="left" if left else "right", no_wrap=col != "accept/pos",
+                     min_width=len(col.split("/")[0]) if col == "accept/pos" else len(col),
+                     overflow="fold")
     for r in rows:
         rates = " ".join(f"{x:.0%}" for x in r["acceptance_rates"]) or "-"
         match = "n/a" if r["greedy_match"] is None else f"{r['greedy_match']:.0%}"
