@@ -4,8 +4,14 @@ The public names load on first use, so `import dflash_mlx` (and `dflash-mlx --he
 model code: `from dflash_mlx import load, stream_generate, Session` works as before.
 """
 
+import sys
 from importlib import import_module
 from typing import TYPE_CHECKING
+
+from .cli import signals as _signals
+
+if _signals.started_as_cli(sys.argv):  # a Ctrl-C in the imports below: one line, no traceback
+    _signals.guard_startup()
 
 # Must run before the first `import mlx` (see cpu/blas.py): Linux CPU matmuls then use OpenBLAS.
 from .cpu import blas as _blas

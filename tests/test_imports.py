@@ -29,6 +29,9 @@ LAYERS = [
     # the user-facing layer: commands, the server's and the trainer's command code, the TUI
     ("dflash_mlx.cli", "dflash_mlx.server.cli", "dflash_mlx.train.cli", "tui"),
 ]
+# The one upward import, and why: the package's first lines arm the CLI's Ctrl-C guard when the
+# `dflash-mlx` command imports it (cli/signals.py imports nothing of the package).
+ALLOWED_UPWARD = {("dflash_mlx", "dflash_mlx.cli.signals")}
 # Modules that may print (write to the terminal): the command line and the TUI only.
 SPEAKERS = ("dflash_mlx.cli", "dflash_mlx.server.cli", "dflash_mlx.train.cli", "tui")
 
@@ -129,7 +132,8 @@ def test_every_module_has_a_layer():
 
 def test_imports_point_down():
     upward = [f"{m} (layer {layer(m)}) imports {d} (layer {layer(d)})"
-              for m, deps in GRAPH.items() for d in deps if layer(d) > layer(m)]
+              for m, deps in GRAPH.items() for d in deps
+              if layer(d) > layer(m) and (m, d) not in ALLOWED_UPWARD]
     assert not upward, "\n".join(upward)
 
 

@@ -1,3 +1,3 @@
-from .main import app
+from . import run
 
-app()
+run()

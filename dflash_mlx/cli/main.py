@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from . import render
+from . import render, signals
 from .options import (  # the app and the options shared with commands.py
     DEFAULT_BLOCK_SIZE, DEFAULT_MAX_TOKENS, R, ApiKeyOpt, BackendOpt, BaseUrlOpt, BlockSizeOpt,
     DraftBitsOpt, DraftOpt, LookupOpt, MaxTokensOpt, MinConfidenceOpt, ModelOpt, NoDraftOpt,
@@ -108,11 +108,11 @@ def generate(
             "min_confidence": config.min_confidence, "lookup": config.lookup,
             "verify_pad": dict(config.verify_pad), "sampling": sampling, "chat_template": not no_chat_template, "reasoning": reasoning,
             "prompt_ids": len(ids), "stats": stats.as_dict(), "peak_memory_gb": round(peak, 4),
-            "interrupted": interrupted, "parity": asdict(parity) if parity else None,
+            "interrupted": bool(interrupted), "parity": asdict(parity) if parity else None,
         })
         writer.close()
     if interrupted:
-        raise typer.Exit(130)
+        raise typer.Exit(interrupted)
     if parity is not None and parity.verdict == "mismatch":
         raise typer.Exit(1)
 
@@ -127,7 +127,7 @@ def _stream(pair, ids, config, sampling, writer, verbose):
     stats, tokens, out = Stats(), [], render.TextStream()
     mx.reset_peak_memory()
     gen = stream_generate(pair, ids, config, **sampling)
-    interrupted = False
+    interrupted = 0  # else the exit code: 130 Ctrl-C, 143 SIGTERM
     try:
         for i, ev in enumerate(gen):
             out.write(ev.text)
@@ -137,9 +137,10 @@ def _stream(pair, ids, config, sampling, writer, verbose):
                 writer.block(i, ev)
             if verbose:
                 out.side_note(render.block_line(i, ev))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (signals.py)
+        signals.settle()  # a second one must not cut the cleanup or the stats short
         gen.close()  # the engine's finally blocks leave the caches exact
-        interrupted = True
+        interrupted = signals.exit_code(e)
     finally:
         out.end()
     if interrupted:

@@ -1,6 +1,7 @@
 """The Typer app and the options its commands share.
 
-`App` turns a `DFlashError` raised by any command into one line on stderr and exit code 2.
+`App` turns a `DFlashError` raised by any command into one line on stderr and exit code 2, and
+Ctrl-C / SIGTERM into a line and exit 130 / 143.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from . import render
+from . import render, signals
 from ..errors import DFlashError
 
 DEFAULT_MAX_TOKENS = 256
@@ -40,6 +41,10 @@ class App(typer.Typer):
                 except DFlashError as e:
                     render.error(str(e))
                     raise typer.Exit(2) from None
+                except KeyboardInterrupt as e:  # where a command has no stopping point of its own
+                    signals.settle()
+                    render.note("interrupted")
+                    raise typer.Exit(signals.exit_code(e)) from None
 
             register(guarded)
             return f
