@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import secrets
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -30,20 +32,136 @@ def template_kwargs(reasoning: str | None, kwarg: str | None) -> dict:
 
 def apply_template(tokenizer, messages: list[dict], *, use_template: bool = True,
                    kwargs: dict | None = None) -> list[int]:
-    """Token ids for a conversation, ending with the assistant's generation prompt."""
+    """Token ids for a conversation, ending with the assistant's generation prompt.
+
+    Message text is always plain text: a message holding a special-token string (say
+    `<|im_start|>system`) gets that string's ordinary text tokens, never the control token;
+    only the template's own specials are special. `use_template=False` is the raw mode: the
+    joined text is encoded as is, special-token strings included.
+    """
     if not messages or not messages[-1].get("content", "").strip():
         raise InvalidArgumentError("the prompt is empty")
     has_template = getattr(tokenizer, "chat_template", None) is not None
     if not use_template or not has_template:
         text = "\n".join(m["content"] for m in messages)
         return tokenizer.encode(text)
-    out = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, **(kwargs or {})
-    )
+    try:
+        from jinja2 import TemplateError
+    except ImportError:  # transformers renders templates with jinja2; without it, none fail so
+        TemplateError = ()  # noqa: N806
+    kwargs = kwargs or {}
+    specials = special_strings(tokenizer)
+    try:
+        if any(s in str(m.get("content", "")) for m in messages for s in specials):
+            return _plain_content_ids(tokenizer, messages, kwargs, specials)
+        # No message can inject a control token: today's ids, unchanged.
+        out = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, **kwargs
+        )
+    except TemplateError as e:  # a template that does not parse, or calls raise_exception
+        why = " ".join(str(e).split())[:200] or type(e).__name__
+        raise InvalidArgumentError(f"the chat template failed: {why} (--no-chat-template "
+                                   "sends the text as is)") from None
     # transformers 5 may return a BatchEncoding-like mapping
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
     return list(out)
+
+
+def _hf(tokenizer):
+    """The Hugging Face tokenizer behind mlx-lm's TokenizerWrapper (or the tokenizer itself)."""
+    return getattr(tokenizer, "_tokenizer", tokenizer)
+
+
+def special_strings(tokenizer) -> list[str]:
+    """The special tokens' texts (longest first): what a message must not smuggle in.
+
+    Added tokens marked non-special (Qwen's `<think>`) are ordinary vocabulary: a model's own
+    answers carry them back in the history, so they stay as today.
+    """
+    hf = _hf(tokenizer)
+    added = getattr(hf, "added_tokens_decoder", None) or {}
+    found = {t.content for t in added.values() if getattr(t, "special", False)}
+    found.update(getattr(hf, "all_special_tokens", None) or [])
+    return sorted((s for s in found if isinstance(s, str) and s), key=len, reverse=True)
+
+
+def special_ids(tokenizer) -> set[int]:
+    hf = _hf(tokenizer)
+    added = getattr(hf, "added_tokens_decoder", None) or {}
+    ids = {i for i, t in added.items() if getattr(t, "special", False)}
+    return ids | set(getattr(hf, "all_special_ids", None) or [])
+
+
+def _render(tokenizer, messages: list[dict], kwargs: dict) -> str:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         **kwargs)
+
+
+def _spans(tokenizer, messages: list[dict], kwargs: dict) -> tuple[str, list, set]:
+    """The rendered text, where message text landed in it, and which messages were found.
+
+    Rendered once with a unique marker per message, once for real; the template text around
+    each marker must match the real render around the message's text (as is, or trimmed,
+    which some templates do). A template that rewrites a message gives no span for it.
+    """
+    tag = secrets.token_hex(8)
+    marked = [{**m, "content": f"MSG{tag}x{i}x"} for i, m in enumerate(messages)]
+    pieces = re.split(f"MSG{tag}x([0-9]+)x", _render(tokenizer, marked, kwargs))
+    text = _render(tokenizer, messages, kwargs)
+    spans, found, at = [], set(), 0
+    for j in range(1, len(pieces), 2):
+        if not text.startswith(pieces[j - 1], at):
+            break
+        at += len(pieces[j - 1])
+        i = int(pieces[j])
+        content = str(messages[i].get("content", ""))
+        for candidate in (content, content.strip()):
+            if text.startswith(candidate + pieces[j + 1], at):
+                spans.append((at, at + len(candidate)))
+                found.add(i)
+                at += len(candidate)
+                break
+        else:
+            break
+    return text, spans, found
+
+
+def _plain_content_ids(tokenizer, messages: list[dict], kwargs: dict,
+                       specials: list[str]) -> list[int]:
+    text, spans, found = _spans(tokenizer, messages, kwargs)
+    if any(i not in found and any(s in str(m.get("content", "")) for s in specials)
+           for i, m in enumerate(messages)):
+        raise InvalidArgumentError(
+            "the chat template rewrites a message that holds a special-token string, so it "
+            "cannot be kept as plain text; remove that text or send it without the chat template")
+    ids, at = [], 0
+    for start, end in spans:
+        ids += tokenizer.encode(text[at:start], add_special_tokens=False)
+        ids += encode_plain(tokenizer, text[start:end], specials)
+        at = end
+    return ids + tokenizer.encode(text[at:], add_special_tokens=False)
+
+
+def encode_plain(tokenizer, text: str, specials: list[str] | None = None) -> list[int]:
+    """`text`'s ids with every special-token string spelled as ordinary text tokens."""
+    specials = special_strings(tokenizer) if specials is None else specials
+    banned = special_ids(tokenizer)
+    try:
+        ids = list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+    except TypeError:  # a tokenizer without the option
+        ids = None
+    if ids is not None and not banned.intersection(ids):
+        return ids
+    # A tokenizer without the option: spell each occurrence one character at a time.
+    pattern = "|".join(re.escape(s) for s in specials)
+    out, at = [], 0
+    for m in re.finditer(pattern, text) if pattern else ():
+        out += tokenizer.encode(text[at:m.start()], add_special_tokens=False)
+        for ch in m.group(0):
+            out += tokenizer.encode(ch, add_special_tokens=False)
+        at = m.end()
+    return out + tokenizer.encode(text[at:], add_special_tokens=False)
 
 
 @dataclass

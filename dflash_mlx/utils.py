@@ -169,6 +169,13 @@ def load_target(path: Path) -> tuple[nn.Module, object]:
         return load_gguf(path)
     if not (path / "config.json").exists():
         raise ModelNotFoundError(f"{path}: no config.json (not an mlx-lm model folder or .gguf file)")
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}/config.json: not valid JSON ({str(e)[:120]})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}/config.json: expected a JSON object, "
+                              f"got {type(raw).__name__}")
     from mlx_lm.utils import load as mlx_load
 
     try:
@@ -243,7 +250,7 @@ def load(
         d_model.bind(tgt)
         folder = d_path if d_path.is_dir() else d_path.parent
         if draft_vocab and not cfg.is_dflash2:
-            d_model.restrict_head(vocab_ids(folder))
+            d_model.restrict_head(vocab_ids(folder, tgt.vocab_size or cfg.vocab_size))
     policy = weights if weights != "auto" else ("float32" if dtype is not None else "quantized")
     return Pair(tgt, d_model, tokenizer, str(target), None if draft is None else str(draft),
                 weights=policy, draft_bits=draft_bits)

@@ -75,6 +75,9 @@ def serve(
         help="Requests that may wait while one generates; beyond that, 503.")] = 64,
     log_level: Annotated[str, typer.Option(help="uvicorn log level (info: one line per "
                                            "request).")] = "info",
+    allow_client_templates: Annotated[bool, typer.Option(
+        help="Let requests bring their own chat template (rendered off the event loop, at most "
+        "64 KiB). Off: such requests get a 400.")] = False,
     max_tokens: Annotated[int, typer.Option(
         help="Most tokens when a request sets none.", rich_help_panel=S)] = DEFAULT_MAX_TOKENS,
     temp: Annotated[float, typer.Option(
@@ -97,7 +100,7 @@ def serve(
                      port=port, api_key=api_key,
                      model_name=served_model_name, queue_size=queue_size, log_level=log_level,
                      defaults={"max_tokens": max_tokens, "temperature": temp, "top_p": top_p,
-                               "top_k": top_k})
+                               "top_k": top_k, "client_templates": allow_client_templates})
 
 
 @app.command("train-draft")

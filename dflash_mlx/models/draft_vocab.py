@@ -17,6 +17,8 @@ from typing import Callable, Iterable
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..errors import CheckpointError
+
 FILENAME = "draft_vocab.json"
 
 
@@ -67,14 +69,39 @@ def save(folder: Path, ids: list[int], coverage: float, source: str) -> Path:
     return path
 
 
-def read(folder: Path) -> list[int] | None:
-    found = read_with_coverage(folder)
+def read(folder: Path, vocab_size: int | None = None) -> list[int] | None:
+    found = read_with_coverage(folder, vocab_size)
     return None if found is None else found[0]
 
 
-def read_with_coverage(folder: Path) -> tuple[list[int], float] | None:
+def read_with_coverage(folder: Path, vocab_size: int | None = None
+                       ) -> tuple[list[int], float] | None:
+    """The ids and coverage in `draft_vocab.json`, checked: each id an integer in the
+    vocabulary (`vocab_size` when known), so a bad file never reaches MLX indexing."""
     path = Path(folder) / FILENAME
     if not path.is_file():
         return None
-    saved = json.loads(path.read_text())
-    return [int(i) for i in saved["ids"]], float(saved["coverage"])
+    try:
+        saved = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({_line(e)})") from None
+    if not isinstance(saved, dict) or "ids" not in saved:
+        raise CheckpointError(f"{path}: expected an object with an 'ids' list")
+    ids, coverage = saved["ids"], saved.get("coverage", 0.0)
+    if not isinstance(ids, list) or not ids or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise CheckpointError(f"{path}: 'ids' must be a non-empty list of token ids")
+    top = vocab_size if vocab_size else 1 << 22
+    bad = next((i for i in ids if not 0 <= i < top), None)
+    if bad is not None:
+        raise CheckpointError(f"{path}: token id {bad} is outside the vocabulary (0..{top - 1})")
+    if len(set(ids)) != len(ids):
+        raise CheckpointError(f"{path}: 'ids' lists a token twice")
+    if isinstance(coverage, bool) or not isinstance(coverage, (int, float)) \
+            or not 0 <= coverage <= 1:
+        raise CheckpointError(f"{path}: 'coverage' must be a number in [0, 1]")
+    return ids, float(coverage)
+
+
+def _line(e: Exception) -> str:
+    return " ".join(str(e).split())[:120] or type(e).__name__

@@ -1,8 +1,9 @@
 """`dflash-mlx serve`: an OpenAI-compatible HTTP API over the engine (Starlette on uvicorn).
 
 Endpoints: POST /v1/chat/completions and /v1/completions (SSE streaming or not), GET
-/v1/models and /health. Requests are checked and tokenized on the event loop, then run one
-at a time by `worker.Worker`. Every failure is an OpenAI-style error body with a 4xx
+/v1/models and /health. Requests are parsed, checked and tokenized on one preparation thread
+(the event loop stays free for /health and other clients), then run one at a time by
+`worker.Worker`. Every failure is an OpenAI-style error body with a 4xx
 or 5xx code; nothing a client sends ends the server. Beyond OpenAI's fields, responses carry
 `speculation` (τ, per-position acceptance, drafted and accepted counts) and
 `usage.prompt_tokens_details.cached_tokens` (prompt tokens served from the reused caches).
@@ -14,8 +15,10 @@ import asyncio
 import hmac
 import json
 import os
+import queue
 import secrets
 import socket
+import threading
 import time
 
 from starlette.applications import Starlette
@@ -25,8 +28,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import DFlashError
-from .request import (APIError, ServerConfig, completion_limit, error_response, json_body,
-                             prompt_ids, settings)
+from .request import (APIError, ServerConfig, completion_limit, error_response, parse_body,
+                      prompt_ids, read_body, settings)
 from .worker import Busy, Delta, Done, Failed, Job, Worker
 
 __all__ = ["ServerConfig", "bind", "create_app", "serve"]
@@ -128,11 +131,51 @@ async def _stream(job: Job, first, reply: Reply, include_usage: bool):
         job.cancel()  # after a disconnect: the worker stops at the next block boundary
 
 
+class Preparer:
+    """One daemon thread that parses and tokenizes requests off the event loop.
+
+    One thread, not a pool: a fast tokenizer's special-token switch is shared state, so
+    encodes must not overlap. Never ended (like the worker): see `Worker.close`.
+    """
+
+    def __init__(self):
+        self.calls: queue.Queue = queue.Queue()
+        threading.Thread(target=self._loop, name="dflash-prepare", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            fn, args, loop, fut = self.calls.get()
+            try:
+                result, error = fn(*args), None
+            except BaseException as e:  # handed to the request's coroutine
+                result, error = None, e
+            try:
+                loop.call_soon_threadsafe(_settle, fut, result, error)
+            except RuntimeError:  # the event loop is gone
+                pass
+
+    async def run(self, fn, *args):
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self.calls.put((fn, args, loop, fut))
+        return await fut
+
+
+def _settle(fut: asyncio.Future, result, error) -> None:
+    if fut.cancelled():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+
+
 # -- the application ---------------------------------------------------------------------------
 
 def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
     """The Starlette app; `worker` must be started (see `serve`)."""
     pair = worker.pair
+    preparer = Preparer()
 
     def guarded(handler, auth: bool = True):
         async def endpoint(request: Request):
@@ -147,11 +190,14 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
         return endpoint
 
     async def completions(request: Request, chat: bool):
-        body = await json_body(request)
-        opts = settings(body, cfg)
-        ids = prompt_ids(pair, body, chat, cfg)
-        max_tokens = completion_limit(opts["max_tokens"], len(ids),
-                                      pair.target.context_length, cfg.max_tokens)
+        def prepare(raw: bytes):
+            body = parse_body(raw)
+            opts = settings(body, cfg)
+            ids = prompt_ids(pair, body, chat, cfg)
+            return opts, ids, completion_limit(opts["max_tokens"], len(ids),
+                                               pair.target.context_length, cfg.max_tokens)
+
+        opts, ids, max_tokens = await preparer.run(prepare, await read_body(request))
         job = Job(ids, {**opts["sampling"], "max_tokens": max_tokens}, opts["stop"])
         try:
             worker.submit(job)
@@ -219,18 +265,28 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
 
 
 def _authorized(request: Request, key: str) -> bool:
+    # Compared as bytes, as the client sent them (Starlette decodes headers as latin-1); the
+    # key as UTF-8, so a non-ASCII key works for a client that sends it as UTF-8.
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        token.strip().encode("latin-1"), key.encode("utf-8"))
 
 
 def bind(host: str, port: int) -> socket.socket:
     """Listen before loading the model, so a taken port fails in a second."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise DFlashError(f"--port must be between 0 and 65535, got {port!r}")
+    if not isinstance(host, str) or not host or "\0" in host or len(host) > 253:
+        raise DFlashError(f"--host {host!r} is not a host name or address")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         return socket.create_server((host, port), family=family, backlog=128)
     except OSError as e:
-        why = os.strerror(e.errno) if e.errno else str(e)
+        gai = isinstance(e, socket.gaierror)  # a name that does not resolve: errno < 0
+        why = e.strerror if gai else (os.strerror(e.errno) if e.errno else str(e))
         raise DFlashError(f"cannot listen on {host}:{port} ({why})") from None
+    except (UnicodeError, ValueError, OverflowError) as e:
+        raise DFlashError(f"--host {host!r} is not a host name or address ({e})") from None
 
 
 def serve(worker: Worker, cfg: ServerConfig, sock: socket.socket, log_level: str = "info") -> None:

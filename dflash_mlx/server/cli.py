@@ -113,6 +113,11 @@ def serve(spec, requested, *, draft_bits: int | None, weights: str, min_confiden
         raise InvalidArgumentError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
     if api_key is not None and not api_key.strip():
         raise InvalidArgumentError("--api-key is empty")
+    if api_key is not None and not all(33 <= ord(c) < 127 for c in api_key.strip()):
+        raise InvalidArgumentError("--api-key must be printable ASCII without spaces (HTTP "
+                                   "clients send headers as ASCII)")
+    if not 0 <= port <= 65535:
+        raise InvalidArgumentError(f"--port must be between 0 and 65535, got {port}")
     prepare.check_load_options(draft_bits, weights, min_confidence)
     sock = bind(host, port)
     try:

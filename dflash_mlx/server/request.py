@@ -1,7 +1,8 @@
 """Reading an OpenAI-style request: settings, messages → prompt ids, OpenAI error bodies.
 
 Every check raises `APIError`, which the app turns into `{"error": {...}}` with its status.
-Tokenization happens here, on the event loop: the worker thread only decodes.
+Parsing and tokenization happen here, on the app's preparation thread (never on the event loop,
+so /health answers while a huge prompt is tokenized); the worker thread only decodes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ from ..errors import InvalidArgumentError
 
 MAX_BODY = 8 * 1024 * 1024
 MAX_STOPS = 16
+MAX_DEPTH = 32  # JSON nesting: OpenAI bodies need 5; deeper is an attack on recursive code
+MAX_TEMPLATE = 64 * 1024
+MAX_SEED = 2**64 - 1  # the PRNG key's range
+# chat_template_kwargs that would change what the server itself asks of the template
+SERVER_KWARGS = ("messages", "conversation", "add_generation_prompt", "tokenize", "return_dict",
+                 "continue_final_message", "return_tensors", "padding", "truncation",
+                 "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask")
 ROLES = ("system", "user", "assistant", "developer", "tool")
 # OpenAI fields this engine cannot honour: refused rather than silently ignored.
 UNSUPPORTED = {
@@ -50,6 +58,8 @@ class ServerConfig:
     top_k: int = 0
     entry: object = None  # the registry entry: how reasoning reaches the chat template
     info: dict = field(default_factory=dict)  # shown in /v1/models
+    # run chat templates a client sends (Jinja on the server's CPU): off unless the operator asks
+    client_templates: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -78,7 +88,7 @@ def _number(body: dict, name: str, default, integer: bool = False):
         return default
     if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
         raise APIError(400, f"'{name}' must be {'an integer' if integer else 'a number'}, "
-                       f"got {v!r}", name)
+                       f"got {_short(v)}", name)
     return v
 
 
@@ -116,6 +126,9 @@ def settings(body: dict, cfg: ServerConfig) -> dict:
         "top_k": 0 if top_k == -1 else top_k,  # vLLM's "disabled"
         "seed": _number(body, "seed", None, integer=True),
     }
+    seed = sampling["seed"]
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise APIError(400, f"'seed' must be between 0 and 2**64-1, got {_short(seed)}", "seed")
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = _number({"max_tokens": limit}, "max_tokens", None, integer=True)
     from ..generate import check_sampling
@@ -170,11 +183,38 @@ def _template_kwargs(body: dict, cfg: ServerConfig) -> dict:
     extra = body.get("chat_template_kwargs")
     if extra is not None and not isinstance(extra, dict):
         raise APIError(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    extra = dict(extra or {})
+    for name in ("tools", "functions", "documents"):  # what `tools` refuses, not smuggled in
+        if extra.get(name):
+            raise APIError(400, f"'{name}' is not supported by this server",
+                           "chat_template_kwargs")
+        extra.pop(name, None)
+    for name in SERVER_KWARGS:
+        if name in extra:
+            raise APIError(400, f"chat_template_kwargs.{name} is set by the server",
+                           "chat_template_kwargs")
+    template = extra.pop("chat_template", None)
+    if body.get("chat_template") is not None:
+        template = body["chat_template"]
+    if template is not None:
+        extra["chat_template"] = _client_template(template, cfg)
     try:
         kwargs = reasoning_kwargs(cfg.entry, "off" if effort == "none" else effort)
     except InvalidArgumentError as e:
         raise APIError(400, str(e), "reasoning_effort") from None
-    return {**kwargs, **(extra or {})}
+    return {**kwargs, **extra}
+
+
+def _client_template(template, cfg: ServerConfig) -> str:
+    """A chat template sent by the client: Jinja run on this machine, so only by consent."""
+    if not cfg.client_templates:
+        raise APIError(400, "this server does not run chat templates sent by clients "
+                       "(the operator has not allowed them)",
+                       "chat_template")
+    if not isinstance(template, str) or len(template) > MAX_TEMPLATE:
+        raise APIError(400, f"'chat_template' must be a string of at most {MAX_TEMPLATE} "
+                       "characters", "chat_template")
+    return template
 
 
 def prompt_ids(pair, body: dict, chat: bool, cfg: ServerConfig) -> list[int]:
@@ -219,13 +259,43 @@ def completion_limit(requested: int | None, prompt: int, context: int | None, de
 
 
 async def json_body(request: Request) -> dict:
+    return parse_body(await read_body(request))
+
+
+async def read_body(request: Request) -> bytes:
     raw = await request.body()
     if len(raw) > MAX_BODY:
         raise APIError(413, f"the request body is over {MAX_BODY // 2**20} MiB")
+    return raw
+
+
+def parse_body(raw: bytes) -> dict:
+    """The JSON object of a request body (run off the event loop: a big body takes a while)."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON ({e})") from None
+        raise APIError(400, f"the request body is not valid JSON ({_short(str(e))})") from None
+    except RecursionError:
+        raise APIError(400, f"the request body nests deeper than {MAX_DEPTH} levels") from None
+    if not _shallow(body):
+        raise APIError(400, f"the request body nests deeper than {MAX_DEPTH} levels")
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     return body
+
+
+def _shallow(obj) -> bool:
+    """Whether `obj` nests at most MAX_DEPTH containers deep (walked without recursion)."""
+    stack = [(obj, 1)] if isinstance(obj, (dict, list)) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return False
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return True
+
+
+def _short(value) -> str:
+    text = repr(value) if not isinstance(value, str) else value
+    return text if len(text) <= 80 else text[:77] + "..."

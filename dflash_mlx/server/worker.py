@@ -199,23 +199,25 @@ class Worker:
             try:
                 if job.cancelled.is_set() or self.closing:
                     self.counts["cancelled"] += 1
-                    job.emit(Failed(503, "the server is shutting down") if self.closing
+                    final = (Failed(503, "the server is shutting down") if self.closing
                              else Failed(499, "cancelled before it started"))
-                    continue
-                self._run(job)
+                else:
+                    final = self._run(job)
             except DFlashError as e:
                 self.counts["failed"] += 1
-                job.emit(Failed(400 if isinstance(e, InvalidArgumentError) else 500, str(e)))
+                final = Failed(400 if isinstance(e, InvalidArgumentError) else 500, str(e))
             except Exception as e:  # never let one request end the worker
                 log.exception("generation failed")
                 self.counts["failed"] += 1
                 self.session = self._new_session()  # start clean rather than trust the caches
-                job.emit(Failed(500, f"generation failed ({type(e).__name__}: {e})"))
+                final = Failed(500, f"generation failed ({type(e).__name__}: {e})")
             finally:
                 with self.lock:
                     self.running, self.current = False, None
+            # after `running` is cleared: a client that has its answer sees the worker idle
+            job.emit(final)
 
-    def _run(self, job: Job) -> None:
+    def _run(self, job: Job) -> Done:
         stats, stop = Stats(), StopFilter(job.stop)
         drafted = accepted = 0
         finish = None
@@ -240,5 +242,5 @@ class Worker:
         finally:
             gen.close()  # stops at this block boundary; the engine leaves the caches exact
         self.counts["cancelled" if finish == "cancelled" else "completed"] += 1
-        job.emit(Done(finish or "stop", len(job.ids), stats.reused_tokens, stats.tokens,
-                      speculation(stats, drafted, accepted, self.config.block_size)))
+        return Done(finish or "stop", len(job.ids), stats.reused_tokens, stats.tokens,
+                    speculation(stats, drafted, accepted, self.config.block_size))
