@@ -27,3 +27,7 @@ class InvalidArgumentError(DFlashError):
 
 class TrainingDataError(DFlashError, ValueError):
     """Features too few or too short to train a draft on."""
+
+
+class SpeculationUnsupportedError(DFlashError):
+    """The target keeps a cache the engine cannot roll back exactly: only plain AR can run."""

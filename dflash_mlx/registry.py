@@ -19,7 +19,7 @@ DEFAULT_NAME = "smollm2-demo"
 KINDS = ("dflash", "dflash2")
 MAC64_BUDGET_GB = 48.0  # macOS lets the GPU wire about 75% of RAM
 # Engine features an entry may need (models.toml `needs`) that this version has.
-ENGINE_FEATURES = frozenset({"dflash2", "hybrid"})
+ENGINE_FEATURES = frozenset({"dflash2", "hybrid", "sliding-window"})
 _SNAPSHOT = re.compile(r"models--([^/]+)--([^/]+)/snapshots/([0-9a-f]{40})")
 
 

@@ -30,17 +30,14 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3_5
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 
-from ..errors import DFlashError, PairMismatchError
-from .target import Target
+from ..errors import PairMismatchError
+from .rotating import WindowTarget
+from .target import RollbackError, Target
 
 # Calls up to this width capture every step (verify passes); longer ones only the entry state.
 REPLAY_MAX = 64
-
-
-class RollbackError(DFlashError):
-    """A hybrid target was asked to return to a length its captures cannot reproduce."""
 
 
 @dataclass
@@ -143,6 +140,8 @@ class HybridCache(list):
 
 class HybridTarget(Target):
     """A `Target` whose GatedDeltaNet layers roll back exactly after partial acceptance."""
+
+    exact_caches = Target.exact_caches + (ArraysCache,)  # at GatedDeltaNet layers (checked)
 
     def __init__(self, model: nn.Module, tap_ids: list[int] | None = None):
         super().__init__(model, tap_ids)
@@ -260,8 +259,20 @@ class HybridTarget(Target):
 
 
 def target_for(model: nn.Module, tap_ids: list[int] | None = None) -> Target:
-    """`HybridTarget` when some layer's cache cannot be trimmed, else the plain `Target`."""
-    caches = make_prompt_cache(model)
-    if all(c.is_trimmable() for c in caches):
-        return Target(model, tap_ids)
-    return HybridTarget(model, tap_ids)
+    """The Target wrapper that rolls back every cache type of `model` exactly.
+
+    Sliding-window targets get `WindowTarget`, qwen3_5-family GatedDeltaNet hybrids
+    `HybridTarget`, KV-cache targets the plain `Target`. Any other layout also gets the plain
+    `Target`, which runs AR only: pairing a draft with it raises SpeculationUnsupportedError.
+    """
+    kinds = {type(c) for c in make_prompt_cache(model)}
+    if ArraysCache in kinds and RotatingKVCache not in kinds:
+        try:
+            return HybridTarget(model, tap_ids)
+        except PairMismatchError:  # not a GatedDeltaNet layout we can replay
+            if tap_ids is None:
+                return Target(model)
+            raise
+    if RotatingKVCache in kinds and ArraysCache not in kinds:
+        return WindowTarget(model, tap_ids)
+    return Target(model, tap_ids)
