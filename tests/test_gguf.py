@@ -173,11 +173,18 @@ def test_tokenizer_add_bos_and_eot():
 
 @pytest.mark.parametrize(
     "key, value",
-    [("tokenizer.ggml.model", "llama"), ("tokenizer.ggml.pre", "some-new-regex")],
+    [("tokenizer.ggml.model", "bert"), ("tokenizer.ggml.pre", "some-new-regex")],
 )
 def test_tokenizer_unsupported(key, value):
     with pytest.raises(CheckpointError, match="not supported"):
         build_tokenizer_object(tokenizer_metadata(**{key: value}))
+
+
+def test_sentencepiece_vocabulary_needs_scores():
+    meta = tokenizer_metadata(**{"tokenizer.ggml.model": "llama"})
+    meta.pop("tokenizer.ggml.scores", None)
+    with pytest.raises(CheckpointError, match="no tokenizer.ggml.scores"):
+        build_tokenizer_object(meta)
 
 
 def test_remap_key():
@@ -385,10 +392,4 @@ def test_q8_0_reads_as_affine_triple(tmp_path):
     assert np.allclose(np.array(values), expected, atol=1e-3)
 
 
-def test_unsupported_tensor_type(tmp_path):
-    # Q5_0 (ggml type 6): 8 blocks of 22 bytes for 256 values.
-    path = write_raw_gguf(
-        tmp_path / "q5.gguf", "output.weight", (256, 1), 6, bytes(176)
-    )
-    with pytest.raises(CheckpointError, match="supported tensor types"):
-        read_gguf(path)
+# Types MLX cannot read (Q5_x, K-quants, the refused Q8_1): tests/test_gguf_kquants.py.

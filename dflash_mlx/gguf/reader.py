@@ -1,10 +1,11 @@
-"""Load a llama-architecture GGUF file into mlx-lm's `llama` model.
+"""Load a `llama` or `gemma3` GGUF file into mlx-lm's `llama` / `gemma3_text` model.
 
 MLX reads GGUF natively: Q4_0, Q4_1 and Q8_0 tensors come back as affine
 (weight, scales, biases) triples with group size 32, so they load straight into
 `QuantizedLinear`/`QuantizedEmbedding` and stay quantized. Float tensors (norms,
-F16/F32 weights) stay float. MLX dequantizes Q2_K, Q4_K and Q6_K to float16
-(those layers load dense) and refuses the other K- and I-quants.
+F16/F32 weights) stay float. A file holding any other type (the K-quants, Q5_0,
+...) is read by `quants.py` instead: every quantized tensor dense float32, exactly
+as llama.cpp dequantizes it.
 """
 
 import re
@@ -17,9 +18,15 @@ from mlx_lm.models.llama import Model, ModelArgs
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..errors import CheckpointError, ModelNotFoundError
+from . import gemma3
+from .metadata import meta as _meta
+from .metadata import meta_int as _int
+from .parse import parse_header
+from .quants import dense_tensors, needs_dequantize
 from .tokenizer import build_tokenizer
 
-SUPPORTED_TYPES = "F32, F16, BF16, Q4_0, Q4_1, Q8_0"
+SUPPORTED_TYPES = "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K"
+ARCHITECTURES = ("llama", "gemma3")
 
 _TOP_LEVEL = {
     "token_embd": "model.embed_tokens",
@@ -47,18 +54,23 @@ def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict]:
     Raises:
         ModelNotFoundError: The file does not exist.
         CheckpointError: The file is not a readable GGUF, or holds a tensor
-            type MLX cannot read (e.g. the K-quants).
+            type that cannot be dequantized.
     """
     path = Path(path)
     if not path.is_file():
         raise ModelNotFoundError(f"GGUF file not found: {path}")
     _check_header(path)
     try:
+        header = parse_header(path)
+        if needs_dequantize(header):
+            return dense_tensors(path, header), header.metadata
         weights, metadata = mx.load(str(path), return_metadata=True)
+    except CheckpointError:
+        raise
     except Exception as e:
         raise CheckpointError(
             f"cannot read GGUF {path}: {e} (supported tensor types: "
-            f"{SUPPORTED_TYPES}; re-quantize to Q4_0/Q4_1/Q8_0 or use an MLX repository)"
+            f"{SUPPORTED_TYPES}; re-quantize or use an MLX repository)"
         ) from e
     return weights, metadata
 
@@ -80,24 +92,6 @@ def _check_header(path: Path) -> None:
         raise CheckpointError(f"{path} has a corrupt GGUF header; download it again.")
 
 
-def _meta(metadata: dict, key: str, default=None):
-    value = metadata.get(key, default)
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    return value
-
-
-def _int(metadata: dict, key: str, default: int | None = None) -> int:
-    value = _meta(metadata, key, default)
-    if value is None:
-        raise CheckpointError(f"GGUF metadata is missing {key!r}.")
-    if isinstance(value, list):
-        raise CheckpointError(
-            f"GGUF metadata {key!r} varies per layer, which this loader does not support."
-        )
-    return int(value)
-
-
 def model_args(metadata: dict) -> ModelArgs:
     """mlx-lm `llama` ModelArgs from GGUF metadata.
 
@@ -108,10 +102,7 @@ def model_args(metadata: dict) -> ModelArgs:
     """
     arch = _meta(metadata, "general.architecture")
     if arch != "llama":
-        raise CheckpointError(
-            f"GGUF architecture {arch!r} is not supported: only 'llama' GGUFs load "
-            "(e.g. SmolLM2, Llama 3); use the model's MLX/safetensors repository instead."
-        )
+        _unsupported(arch)
     p = "llama."
     if _meta(metadata, p + "expert_count"):
         raise CheckpointError(
@@ -148,6 +139,14 @@ def model_args(metadata: dict) -> ModelArgs:
         # llama.cpp's converter permutes the q/k rows into interleaved pairs.
         rope_traditional=True,
         rope_scaling=_rope_scaling(metadata),
+    )
+
+
+def _unsupported(arch) -> None:
+    raise CheckpointError(
+        f"GGUF architecture {arch!r} is not supported: only {' and '.join(ARCHITECTURES)} "
+        "GGUFs load (e.g. SmolLM2, Llama 3, Gemma 3); use the model's MLX/safetensors "
+        "repository instead."
     )
 
 
@@ -231,8 +230,8 @@ class FreqRoPE(nn.Module):
         )
 
 
-def build_model(weights: dict[str, mx.array], metadata: dict) -> Model:
-    """Build and load mlx-lm's llama model from GGUF tensors and metadata.
+def build_model(weights: dict[str, mx.array], metadata: dict) -> nn.Module:
+    """Build and load mlx-lm's llama or gemma3_text model from GGUF tensors and metadata.
 
     Quantized tensors stay quantized at the bits and group size they were
     stored with; loading is strict, so a missing or extra tensor is an error.
@@ -240,6 +239,9 @@ def build_model(weights: dict[str, mx.array], metadata: dict) -> Model:
     Raises:
         CheckpointError: Unsupported architecture, or tensors that do not match.
     """
+    if _meta(metadata, "general.architecture") == "gemma3":
+        model, weights = gemma3.prepare(weights, metadata)
+        return _load(model, weights)
     weights = dict(weights)
     args = model_args(metadata)
     rope_factors = weights.pop("rope_freqs.weight", None)
@@ -248,8 +250,6 @@ def build_model(weights: dict[str, mx.array], metadata: dict) -> Model:
     weights = {remap_key(k): v for k, v in weights.items()}
 
     model = Model(args)
-    quant = _quantization(model, weights)
-    nn.quantize(model, class_predicate=lambda path, _: quant.get(path, False))
     if rope_factors is not None:
         dims = args.head_dim
         if rope_factors.size != dims // 2:
@@ -260,17 +260,25 @@ def build_model(weights: dict[str, mx.array], metadata: dict) -> Model:
         for layer in model.layers:
             rope = FreqRoPE(dims, args.rope_theta, rope_factors, scale)
             layer.self_attn.rope = rope
+    return _load(model, weights)
+
+
+def _load(model: nn.Module, weights: dict[str, mx.array]) -> nn.Module:
+    quant = _quantization(model, weights)
+    nn.quantize(model, class_predicate=lambda path, _: quant.get(path, False))
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise CheckpointError(f"GGUF tensors do not match a llama model: {e}") from e
+        raise CheckpointError(
+            f"GGUF tensors do not match a {model.model_type} model: {e}"
+        ) from e
     mx.eval(model.parameters())
     model.eval()
     return model
 
 
-def load_gguf(path: str | Path) -> tuple[Model, TokenizerWrapper]:
-    """Load a llama-architecture GGUF as an mlx-lm model and tokenizer.
+def load_gguf(path: str | Path) -> tuple[nn.Module, TokenizerWrapper]:
+    """Load a llama or gemma3 GGUF as an mlx-lm model and tokenizer.
 
     Args:
         path: The `.gguf` file.

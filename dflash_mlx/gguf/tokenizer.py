@@ -1,19 +1,27 @@
 """Build an mlx-lm tokenizer from GGUF metadata, offline.
 
-GGUF files carry the whole tokenizer: the vocabulary, the BPE merges, the token
-types, the special ids and the chat template. This rebuilds it with `tokenizers`
-so the rest of the code sees the same `TokenizerWrapper` as any mlx-lm model.
+GGUF files carry the whole tokenizer: the vocabulary, the BPE merges (or, for
+SentencePiece vocabularies, the piece scores), the token types, the special ids
+and the chat template. This rebuilds it with `tokenizers` so the rest of the
+code sees the same `TokenizerWrapper` as any mlx-lm model.
 """
+
+from functools import partial
 
 from typing import Any
 
-from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
+from mlx_lm.tokenizer_utils import (
+    BPEStreamingDetokenizer,
+    SPMStreamingDetokenizer,
+    TokenizerWrapper,
+)
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models
 from tokenizers import pre_tokenizers as pre
 from tokenizers import processors
 from transformers import PreTrainedTokenizerFast
 
 from ..errors import CheckpointError
+from .spm import spm_tokenizer
 
 # llama.cpp token types (gguf-py `TokenType`).
 TOKEN_NORMAL = 1
@@ -118,18 +126,28 @@ def build_tokenizer_object(metadata: dict) -> Tokenizer:
         metadata: GGUF metadata as returned by `mx.load(..., return_metadata=True)`.
 
     Returns:
-        A byte-level BPE tokenizer whose ids are the GGUF vocabulary indices.
+        A byte-level BPE (`gpt2`) or SentencePiece-style BPE (`llama`) tokenizer
+        whose ids are the GGUF vocabulary indices.
     """
     kind = _value(metadata, "tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise CheckpointError(
             f"GGUF tokenizer type {kind!r} is not supported: only 'gpt2' "
-            "(byte-level BPE) vocabularies load; use the model's MLX/safetensors "
-            "repository instead."
+            "(byte-level BPE) and 'llama' (SentencePiece) vocabularies load; use the "
+            "model's MLX/safetensors repository instead."
         )
     tokens = list(_value(metadata, "tokenizer.ggml.tokens") or [])
     if not tokens:
         raise CheckpointError("GGUF file has no tokenizer.ggml.tokens vocabulary.")
+    if kind == "llama":
+        tokenizer = spm_tokenizer(
+            tokens,
+            _value(metadata, "tokenizer.ggml.scores"),
+            _value(metadata, "tokenizer.ggml.token_type"),
+            _special_id(metadata, "unknown", len(tokens)),
+            _spm_space_prefix(metadata),
+        )
+        return _with_post_processor(tokenizer, tokens, metadata)
     types = _value(metadata, "tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(
         tokens
     )
@@ -155,7 +173,15 @@ def build_tokenizer_object(metadata: dict) -> Tokenizer:
     ]
     tokenizer.add_tokens([t for t in added if not t.special])
     tokenizer.add_special_tokens([t for t in added if t.special])
+    return _with_post_processor(tokenizer, tokens, metadata)
 
+
+def _spm_space_prefix(metadata: dict) -> bool:
+    # llama.cpp's default for SentencePiece vocabularies is to add it.
+    return bool(_value(metadata, "tokenizer.ggml.add_space_prefix", True))
+
+
+def _with_post_processor(tokenizer: Tokenizer, tokens: list[str], metadata: dict):
     bos = _special_id(metadata, "bos", len(tokens))
     eos = _special_id(metadata, "eos", len(tokens))
     post = _post_processor(tokens, bos, eos, metadata)
@@ -204,4 +230,9 @@ def build_tokenizer(
         **kwargs,
     )
     eos_ids = [ids[k] for k in ("eos", "eot", "eom") if ids[k] is not None]
-    return TokenizerWrapper(hf, BPEStreamingDetokenizer, eos_token_ids=eos_ids)
+    if _value(metadata, "tokenizer.ggml.model") == "llama":
+        # Only a prefix the tokenizer added is trimmed from the decoded text.
+        detok = partial(SPMStreamingDetokenizer, trim_space=_spm_space_prefix(metadata))
+    else:
+        detok = BPEStreamingDetokenizer
+    return TokenizerWrapper(hf, detok, eos_token_ids=eos_ids)
