@@ -52,7 +52,7 @@ def main():
         prepare.check_block_size(pair, a.block_size)
     except DFlashError as e:
         _fail(str(e))
-    base = loaded.speculation
+    base = prepare.speculation(pair, loaded)
     pads = dict(base.verify_pad)
     if not pads:
         _fail("this machine's cost curve pads no verify width: nothing to compare")

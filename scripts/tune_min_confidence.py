@@ -155,7 +155,7 @@ def measure(a, lo: int, hi: int) -> tuple[dict, tuple[float, float, dict], dict]
             last = encode([{"role": "user", "content": turns[0]}])
             records[f"{name}#{i}"] = record(pair, last, a.block_size, a.max_tokens)
             firsts += [last] if i == lo else []
-    config = loaded.speculation
+    config = prepare.speculation(pair, loaded)
     passes = costs(pair, config, last, a.block_size)
     if a.costs == "passes":
         return records, passes, dict(config.verify_pad)

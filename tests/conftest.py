@@ -4,14 +4,50 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-# Before any test module imports mlx: on Linux this preloads the system OpenBLAS (blas.py),
-# which makes float32 matmuls 25-90x faster than MLX's bundled BLAS.
+# Before any test module imports mlx: on Linux this preloads OpenBLAS (cpu/blas.py), which
+# makes float32 matmuls 25-90x faster than MLX's bundled BLAS.
 import dflash_mlx  # noqa: E402,F401
+from dflash_mlx.demo.target import demo_target_file
+
+# Hermetic: every cache and config the package or its libraries write goes to one temporary
+# directory per session, set before any test module imports huggingface_hub (which reads these
+# at import). The demo target already fetched into the real cache is linked in, read-only, so
+# `demo` tests do not download 98 MB again.
+_REAL_DEMO = demo_target_file()
+SESSION_HOME = Path(tempfile.mkdtemp(prefix="dflash-mlx-tests-"))
+HERMETIC_ENV = {
+    "DFLASH_MLX_CACHE": SESSION_HOME / "dflash-mlx",
+    "XDG_CACHE_HOME": SESSION_HOME / "cache",
+    "XDG_CONFIG_HOME": SESSION_HOME / "config",
+    "XDG_DATA_HOME": SESSION_HOME / "data",
+    "HF_HOME": SESSION_HOME / "huggingface",
+    "HF_HUB_CACHE": SESSION_HOME / "huggingface" / "hub",
+}
+for _name, _path in HERMETIC_ENV.items():
+    _path.mkdir(parents=True, exist_ok=True)
+    os.environ[_name] = str(_path)
+if _REAL_DEMO.is_file():
+    (_demo := demo_target_file()).parent.mkdir(parents=True, exist_ok=True)
+    _demo.symlink_to(_REAL_DEMO)
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(SESSION_HOME, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def hermetic_env(monkeypatch):
+    """Each test starts with the session's private caches, whatever an earlier test changed."""
+    for name, path in HERMETIC_ENV.items():
+        monkeypatch.setenv(name, str(path))
+    monkeypatch.delenv("DFLASH_MLX_MODELS", raising=False)
 
 
 def _zero_norm(folder: Path, key: str) -> None:

@@ -40,7 +40,7 @@ def registry_loader(settings: ChatSettings, *, model: str | None = None,
         if entry is not None and entry.reasoning_kwarg:
             settings.reasoning_kwarg = entry.reasoning_kwarg
             settings.reasoning = settings.reasoning or entry.reasoning_default
-        return pair, loaded.speculation
+        return pair, prepare.speculation(pair, loaded, settings.block_size, progress)
 
     return loader
 

@@ -88,8 +88,8 @@ def generate(
     pair, loaded = prepare.open_pair(spec, draft_bits, weights, _say(quiet), min_confidence,
                                       lookup, pad_verify)
     block = prepare.choose_block(pair, loaded, requested, None if quiet else render.note)
-    config = loaded.speculation.replace(block_size=block)
     ids = prepare.prompt_ids(pair, text, system_prompt, template_kwargs, not no_chat_template)
+    config = prepare.speculation(pair, loaded, block, _say(quiet))
     stats, tokens, interrupted, peak = _stream(pair, ids, config, sampling, writer, verbose)
     if not quiet:
         for line in render.stats_lines(stats, peak, block):
@@ -193,6 +193,12 @@ def doctor(
         help="Acceptance length τ you expect at block 5, for the recommendation.")] = 3.0,
     repeats: Annotated[int, typer.Option(help="Timed rounds per width (fastest kept).")] = 5,
     context: Annotated[int, typer.Option(help="Tokens in the cache while timing.")] = 256,
+    seconds: Annotated[float, typer.Option(
+        help="Most seconds the timing takes (warm-up included, two rounds at least); it "
+        "ends sooner once --repeats rounds agree.")] = 8.0,
+    remeasure: Annotated[bool, typer.Option(
+        help="Forget this machine's cached verify-cost curves first (every model's; with "
+        "--model, that model's), so the next run times them again.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ):
     """Check this machine: MLX, BLAS, memory, and the verify-cost curve behind the block size."""
@@ -204,6 +210,8 @@ def doctor(
         raise InvalidArgumentError(f"--shape must be one of {', '.join(doc.SHAPES)}, got {shape!r}")
     if repeats < 1 or context < 1:
         raise InvalidArgumentError("--repeats and --context must be at least 1")
+    if seconds < 0:
+        raise InvalidArgumentError(f"--seconds must be at least 0, got {seconds:g}")
     if not 1 <= tau <= cost.TAU_BLOCK:
         raise InvalidArgumentError(f"--tau is τ at block {cost.TAU_BLOCK}: between 1 and "
                                    f"{cost.TAU_BLOCK}, got {tau:g}")
@@ -217,7 +225,9 @@ def doctor(
     if model is not None:
         from ..registry import resolve
 
-        pair, loaded = prepare.open_pair(resolve(model, draft, no_draft), draft_bits, weights, say)
+        # its curve is measured below: no cached one needed to open it
+        pair, loaded = prepare.open_pair(resolve(model, draft, no_draft), draft_bits, weights, say,
+                                         pad_verify=False)
         key = loaded.cost_key()
         subject = f"{loaded.spec.target} + {loaded.spec.draft or 'no draft (draft cost left out)'}"
     else:
@@ -225,9 +235,13 @@ def doctor(
         key = cost.model_key(f"synthetic:{shape}", None, pair.weights, "synthetic-draft", 4)
         subject = (f"built-in random {shape}-shaped target ({pair.weights}) with a "
                    f"{pair.draft.config.num_hidden_layers}-layer DFlash draft")
+    if remeasure:
+        gone = cost.forget(key if model is not None else None)
+        if say:
+            say(f"forgot {gone} cached verify-cost curve{'s' * (gone != 1)} of this machine")
     if say:
-        say(f"measuring verify cost on {subject} (widths 1..8, {repeats} rounds)...")
-    curve = cost.measure(pair, context=context, repeats=repeats)
+        say(f"measuring verify cost on {subject} (widths 1..8, {repeats}+ rounds)...")
+    curve = cost.measure(pair, context=context, repeats=repeats, progress=say, budget_s=seconds)
     cost.store(key, curve)
     rows = cost.plan(curve, tau, max_block=pair.draft.config.block_size if pair.draft else None)
     best = cost.recommend(rows)
@@ -242,6 +256,11 @@ def doctor(
                      f"ms, {curve.context} tokens cached); draft: one draft pass ÷ the same",
                      soft_wrap=True, markup=False)
     render.out.print(verify_table)
+    if curve.noisy:
+        render.out.print(f"The rounds still disagreed by {curve.spread:.0%} after {seconds:g} s "
+                         "(a busy machine), so no wider pass counts as cheaper: nothing pads. "
+                         "Rerun with --remeasure when the machine is idle.",
+                         soft_wrap=True, markup=False)
     if pads:
         render.out.print("A wider pass is cheaper here, so the engine pads these widths: "
                          + ", ".join(f"{w}→{p}" for w, p in pads.items())
@@ -320,15 +339,15 @@ def benchmark(
                                       lookup, pad_verify)
     for b in blocks:
         prepare.check_block_size(pair, b)
+    config = prepare.speculation(pair, loaded, say=render.progress)
     encode = prepare.encoder(pair, template_kwargs)
     samples = bench.run(pair, sets, encode, block_sizes=blocks, sampling=sampling,
-                        repeats=repeats, progress=render.note, config=loaded.speculation)
+                        repeats=repeats, progress=render.note, config=config)
     rows = bench.summarize(samples, blocks, greedy=temp == 0)
     render.out.print(render.bench_table(rows, f"{loaded.spec.target} + {loaded.spec.draft}"))
     if out is not None:
-        spec_ = loaded.speculation
-        settings = {**sampling, "block_sizes": blocks, "min_confidence": spec_.min_confidence,
-                    "lookup": spec_.lookup, "verify_pad": dict(spec_.verify_pad),
+        settings = {**sampling, "block_sizes": blocks, "min_confidence": config.min_confidence,
+                    "lookup": config.lookup, "verify_pad": dict(config.verify_pad),
                     "num_prompts": num_prompts,
                     "repeats": repeats, "reasoning": reasoning, "datasets": names,
                     "warmup": f"{bench.WARMUP_TOKENS} tokens per system on {bench.WARMUP_PROMPT!r}"}

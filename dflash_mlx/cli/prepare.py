@@ -6,6 +6,7 @@ checked before anything is downloaded or loaded, so a typo fails in a second.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ class Loaded:
     weights: str
     # this pair's speculation defaults on this device (block size settled by `choose_block`)
     speculation: SpeculationConfig = SpeculationConfig()
+    pad_verify: bool = True  # pad verify passes where the cost curve says so (`speculation`)
 
     def models(self) -> dict:
         return {
@@ -118,16 +120,18 @@ def open_pair(spec: registry.Spec, draft_bits: int | None, weights: str, say: Sa
     """Download what `spec` names (narrow patterns, progress bars) and load it.
 
     `min_confidence` and `lookup` settle `Loaded.speculation` (None: the device's default);
-    `pad_verify` lets verify passes run at a wider, cheaper width (`verify_pads`).
-    Returns (pair, Loaded).
+    `pad_verify` lets verify passes run at a wider, cheaper width, settled by `speculation`
+    once the other settings are checked. Returns (pair, Loaded).
     """
     from ..utils import DRAFT_PATTERNS, MODEL_PATTERNS, load, resolve
 
     check_load_options(draft_bits, weights, min_confidence)
+    if say is not None and (line := blas_warning()):
+        _first_use(say)(line)  # in logs too: without a fast BLAS answers come 10-50x slower
     if say and spec.entry and spec.entry.missing:
         say(f"note: {spec.entry.name} needs {', '.join(spec.entry.missing)} support, which this "
             "version does not have yet; it may fail to load or run")
-    spec = registry.materialize(spec, progress=say)
+    spec = registry.materialize(spec, progress=_first_use(say))
     bars = say is not None
     t_path = resolve(spec.target, MODEL_PATTERNS, spec.target_revision, progress=bars)
     d_path = None
@@ -140,10 +144,53 @@ def open_pair(spec: registry.Spec, draft_bits: int | None, weights: str, say: Sa
         None if d_path is None else spec.draft_revision or registry.snapshot_revision(d_path),
         pair.draft_bits if d_path is not None else 16, pair.weights,
     )
-    pads = verify_pads(pair, loaded, say) if pad_verify else {}
+    loaded.pad_verify = pad_verify
     loaded.speculation = SpeculationConfig.for_pair(pair, min_confidence=min_confidence,
-                                                    lookup=lookup, verify_pad=pads)
+                                                    lookup=lookup)
     return pair, loaded
+
+
+def speculation(pair, loaded: Loaded, block: int | None = None,
+                say: Say = None) -> SpeculationConfig:
+    """The pair's speculation settings at `block`, with the verify padding this machine's
+    cost curve chooses (timed on first use). Called after every other setting is checked, so
+    a typo never waits for the timing."""
+    pads = verify_pads(pair, loaded, say) if loaded.pad_verify else {}
+    return loaded.speculation.replace(block_size=block, verify_pad=pads)
+
+
+def _first_use(say: Say) -> Say:
+    """One-time steps (the demo download, the verify-cost timing) take a minute at worst: where
+    `say` is the CLI's terminal-only progress, their lines go to stderr in logs and pipes too.
+    Another callback (the TUI's) is kept; None stays quiet."""
+    from . import render
+
+    return render.note if say is render.progress else say
+
+
+def blas_warning() -> str | None:
+    """One line with the fix, where MLX's CPU matmuls miss the fast BLAS (None: all is well).
+
+    Silent on macOS (Accelerate), on a GPU, and where the user chose `DFLASH_MLX_BLAS=bundled`.
+    """
+    from ..cpu import blas
+    from ..cpu.policy import on_cpu
+
+    if not sys.platform.startswith("linux") or os.environ.get(blas.ENV) == "bundled":
+        return None
+    st = blas.status()
+    if st["active"] == "OpenBLAS" or not on_cpu():
+        return None
+    why = st["reason"] or ""
+    if "libgfortran" in why:
+        why, fix = "OpenBLAS needs libgfortran.so.5", blas.GFORTRAN_FIX
+    elif "mlx was imported" in why:
+        fix = "import dflash_mlx before mlx"
+    elif blas.candidate() is None:
+        why, fix = "no OpenBLAS found", blas.INSTALL_HINT
+    else:
+        fix = f"unset {blas.ENV}, or point it at a libopenblas.so that loads"
+    return f"warning: CPU matmuls use MLX's slow reference BLAS ({why}); fix: {fix}"
 
 
 def verify_pads(pair, loaded: Loaded, say: Say = None) -> dict[int, int]:
@@ -160,7 +207,11 @@ def verify_pads(pair, loaded: Loaded, say: Say = None) -> dict[int, int]:
     from ..cpu.cost import curve_for
 
     # a miss measures the curve once (its rounds go to `say`) and caches it for later runs
-    pads = curve_for(pair, loaded.cost_key(), say)[0].pads()
+    curve = curve_for(pair, loaded.cost_key(), _first_use(say))[0]
+    pads = curve.pads()
+    if say and curve.noisy:
+        say(f"the verify-cost timing was too noisy (spread {curve.spread:.0%}: the machine is "
+            "busy), so no verify pass is padded; `dflash-mlx doctor --remeasure` re-times it")
     if say and pads:
         say("padding verify passes " + ", ".join(f"{w}→{p}" for w, p in pads.items())
             + " tokens wide: cheaper on this BLAS (the added rows are never read; "
@@ -175,7 +226,7 @@ def choose_block(pair, loaded: Loaded, requested: int | str, say: Say = None) ->
     if requested == "auto":
         from ..cpu.cost import auto_block_size
 
-        best, hit = auto_block_size(pair, loaded.cost_key())
+        best, hit = auto_block_size(pair, loaded.cost_key(), _first_use(say))
         if say:
             how = "cached measurement" if hit else "measured now, cached"
             say(f"--block-size auto → {best.block_size} (break-even τ {best.break_even:.2f}, "
@@ -195,6 +246,10 @@ def encoder(pair, template_kwargs: dict, use_template: bool = True):
 
 def prompt_ids(pair, text: str, system: str | None, template_kwargs: dict,
                use_template: bool = True) -> list[int]:
+    """The prompt's ids through the chat template, checked against the target (its context,
+    its vocabulary) before anything slow runs."""
+    from ..generate import encode_prompt
+
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": text})
-    return encoder(pair, template_kwargs, use_template)(messages)
+    return encode_prompt(pair, encoder(pair, template_kwargs, use_template)(messages))

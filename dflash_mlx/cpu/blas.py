@@ -12,7 +12,11 @@ Two are tried, in order:
   with less copying than Debian 12's 0.3.21 (on the demo target, timed here: a verify pass of
   5 tokens ~20% cheaper, a one-token step ~5%);
 - Debian's system OpenBLAS (`apt-get install libopenblas0-pthread`).
-Both need the system's libgfortran5 (which that apt package brings).
+Both need `libgfortran.so.5`. A fresh Debian/Ubuntu machine lacks it, but numpy's (and scipy's)
+manylinux wheels vendor one under an auditwheel-renamed name. The wheel's OpenBLAS finds its
+libraries through `$ORIGIN`, so it is loaded through a temporary directory of symlinks: itself,
+`libgfortran.so.5` -> numpy's copy, and that copy's own renamed dependencies (`vendored_gfortran`).
+No system package is needed; nothing is written outside that directory, removed once loaded.
 
 `DFLASH_MLX_BLAS` chooses: unset or `auto` (the above, first that loads), `wheel` or `system`
 (only that one), `bundled` (never preload), or a path to another `libopenblas.so`. This module
@@ -23,7 +27,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import sys
+import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
@@ -33,11 +39,15 @@ OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
 OPENBLAS_AARCH64 = Path("/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0")
 WHEEL = "ngsolve-openblas"  # PyPI distribution shipping libopenblasp-r<version>.so
 GFORTRAN = ("libgfortran.so.5",)
+# Wheels that vendor a libgfortran.so.5 (auditwheel renames it libgfortran-<hash>.so.5.x.y).
+GFORTRAN_VENDORS = ("numpy", "scipy")
 INSTALL_HINT = "apt-get install libopenblas0-pthread"
+GFORTRAN_FIX = "apt-get install libgfortran5"
 SGEMM_SHAPE = (512, 1024, 3072)  # m, k, n: the shape of the design note's measurement
 
 # What autoload() did, for `doctor`.
-_state: dict = {"requested": None, "loaded": None, "reason": "autoload() not called"}
+_state: dict = {"requested": None, "loaded": None, "reason": "autoload() not called",
+                "aliases": {}}  # {path dlopen saw: the library it links to}
 
 
 def wheel_library() -> Path | None:
@@ -86,13 +96,55 @@ def candidate() -> Path | None:
     return next(iter(candidates()), None)
 
 
-def _load(path: Path) -> None:
-    for name in GFORTRAN:  # OpenBLAS needs libgfortran; the system one, not numpy's copy
+def vendored_gfortran() -> Path | None:
+    """A libgfortran.so.5 that numpy's or scipy's wheel ships (renamed), if pip installed one."""
+    for dist in GFORTRAN_VENDORS:
+        try:
+            files = metadata.distribution(dist).files or []
+        except metadata.PackageNotFoundError:
+            continue
+        for f in files:
+            if f.name.startswith("libgfortran") and ".so.5" in f.name:
+                path = Path(f.locate())
+                if path.exists():
+                    return path
+    return None
+
+
+def _load_beside(path: Path, gfortran: Path) -> None:
+    """dlopen `path` from a temporary directory where `libgfortran.so.5` is `gfortran`.
+
+    The wheel's OpenBLAS has RPATH `$ORIGIN`, which the dynamic linker takes from the directory
+    it was opened through (symlinks are not resolved), and searches before the system's
+    directories; RPATH is also searched for the libraries that libgfortran itself needs.
+    """
+    tmp = Path(tempfile.mkdtemp(prefix="dflash-mlx-blas-"))
+    try:
+        (tmp / path.name).symlink_to(path)
+        (tmp / GFORTRAN[0]).symlink_to(gfortran)
+        for sibling in gfortran.parent.iterdir():  # its renamed libquadmath etc.
+            if sibling.name != gfortran.name and not (tmp / sibling.name).exists():
+                (tmp / sibling.name).symlink_to(sibling)
+        ctypes.CDLL(str(tmp / path.name), mode=ctypes.RTLD_GLOBAL)
+        _state.setdefault("aliases", {})[str(tmp / path.name)] = str(path)
+    finally:  # once mapped, the libraries no longer need the links
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load(path: Path) -> str:
+    """Load `path` globally; return where its libgfortran came from."""
+    wheel = installed().get("wheel")
+    gfortran = vendored_gfortran()
+    if wheel is not None and path == wheel and gfortran is not None:
+        _load_beside(path, gfortran)
+        return f"libgfortran from {gfortran.parent.name}"
+    for name in GFORTRAN:  # the system's libgfortran5, which Debian's OpenBLAS depends on
         try:
             ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
         except OSError:
             pass
     ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    return "system libgfortran"
 
 
 def autoload() -> bool:
@@ -120,11 +172,11 @@ def autoload() -> bool:
     failed = []
     for path in paths:
         try:
-            _load(path)
+            how = _load(path)
         except OSError as e:
             failed.append(f"cannot load {path}: {e}")
             continue
-        _state.update(loaded=str(path), reason="; ".join(failed + ["preloaded"]))
+        _state.update(loaded=str(path), reason="; ".join(failed + [f"preloaded ({how})"]))
         return True
     _state["reason"] = "; ".join(failed)
     return False
@@ -167,6 +219,7 @@ def status() -> dict:
         return {"active": "Accelerate", "library": None, "version": None, "reason": "macOS",
                 "hint": None}
     provider = _provider()
+    provider = _state.get("aliases", {}).get(provider, provider)
     if provider and "openblas" in provider.lower():
         return {"active": "OpenBLAS", "library": provider, "version": version(),
                 "reason": _state["reason"], "hint": None}
@@ -177,7 +230,7 @@ def status() -> dict:
     else:  # given or installed, but would not load
         hint = _state["reason"]
         if "libgfortran" in hint:
-            hint += f" ({INSTALL_HINT} brings libgfortran5)"
+            hint += f" (fix: {GFORTRAN_FIX})"
     return {"active": "bundled reference BLAS", "library": provider, "version": None,
             "reason": _state["reason"], "hint": hint}
 
@@ -194,7 +247,7 @@ def active_choice() -> str | None:
     provider = _provider()
     if not provider or "openblas" not in provider.lower():
         return "bundled"
-    real = os.path.realpath(provider)
+    real = os.path.realpath(_state.get("aliases", {}).get(provider, provider))
     for name, path in installed().items():
         if os.path.realpath(path) == real:
             return name

@@ -28,6 +28,11 @@ DEFAULT_TAU = 3.0  # τ at block 5 assumed for the recommendation (Mac 4-bit rep
 TAU_BLOCK = 5
 # Pad a verify pass only where the wider one is clearly cheaper: repeat timings vary a few %.
 PAD_MARGIN = 0.05
+# Timing stops once every width's two fastest rounds agree within SPREAD (the kept minimum is
+# then trustworthy) or after BUDGET_S seconds; a curve still above SPREAD is marked noisy.
+SPREAD = 0.05
+BUDGET_S = 8.0
+MAX_ROUNDS = 30
 
 
 @dataclass
@@ -40,6 +45,11 @@ class CostCurve:
     step_ms: float
     context: int
     measured_at: str
+    # the largest gap between a width's two fastest rounds, relative (0.03: 3%)
+    spread: float = 0.0
+    # spread stayed above SPREAD (a busy machine): `verify` was made non-decreasing, since a
+    # wider pass that timed cheaper may only have been luckier, so nothing pads
+    noisy: bool = False
 
     def cost(self, block: int) -> tuple[float, float]:
         """(verify, draft) of one round at `block`; the verify as padded (see `pads`)."""
@@ -74,14 +84,27 @@ class Plan:
     speedup: float
 
 
-def measure(pair: Pair, widths=WIDTHS, context: int = 256, repeats: int = 5,
-            progress: Callable[[str], None] | None = None) -> CostCurve:
+def _spread(times: list[float]) -> float:
+    """How far the second-fastest round is above the fastest (inf with fewer than two)."""
+    if len(times) < 2:
+        return float("inf")
+    a, b = sorted(times)[:2]
+    return b / a - 1
+
+
+def measure(pair: Pair, widths=WIDTHS, context: int = 256, repeats: int = 2,
+            progress: Callable[[str], None] | None = None, budget_s: float = BUDGET_S,
+            spread: float = SPREAD) -> CostCurve:
     """Time one target pass at each width (and one draft pass) after `context` cached tokens.
 
-    Widths are interleaved within each repeat so machine drift hits all of them alike; the
-    fastest of `repeats` is kept after one warm-up round (interference only adds time).
+    Widths are interleaved within each round so machine drift hits all of them alike; the
+    fastest round is kept (interference only adds time). After one warm-up round, rounds run
+    until `repeats` (at least two) have, and every width's two fastest rounds agree within
+    `spread`; or until `budget_s` seconds in all have passed (two rounds at least): the curve
+    is then marked noisy if they still disagree.
     """
     say = progress or (lambda _m: None)
+    start = time.perf_counter()  # the budget counts the warm-up too: it is the user's wait
     tgt, draft = pair.target, pair.draft
     vocab = tgt.vocab_size or 1000
     cache = tgt.make_cache()
@@ -94,37 +117,56 @@ def measure(pair: Pair, widths=WIDTHS, context: int = 256, repeats: int = 5,
         mx.eval(draft.propose(mx.array([[0, mask]]), taps, d_cache)[0])
     t_verify: dict[int, list[float]] = {w: [] for w in widths}
     t_draft: dict[int, list[float]] = {w: [] for w in widths}
-    for r in range(repeats + 1):
-        say(f"verify-cost round {r + 1}/{repeats + 1}")
-        for w in widths:
-            ids = mx.random.randint(0, vocab, (1, w))
-            mx.eval(ids)
-            tic = time.perf_counter()
-            logits, t = tgt(ids, cache, taps=draft is not None and w > 1)
-            mx.eval(mx.argmax(logits, axis=-1), t)
-            elapsed = time.perf_counter() - tic
-            tgt.truncate(cache, context)
-            if r:
-                t_verify[w].append(elapsed)
-            if draft is None or w < 2:
-                continue
-            block = mx.array([[0] + [draft.config.mask_token_id] * (w - 1)])
-            tic = time.perf_counter()
-            mx.eval(draft.propose(block, taps[:, :w], d_cache)[0])
-            elapsed = time.perf_counter() - tic
-            for c in d_cache:
-                c.trim(w)
-            if r:
-                t_draft[w].append(elapsed)
+    worst = float("inf")
+    for r in range(MAX_ROUNDS + 1):
+        _round(tgt, draft, cache, d_cache, taps, widths, context, vocab,
+               t_verify if r else None, t_draft if r else None)
+        elapsed = time.perf_counter() - start
+        if r:
+            worst = max(_spread(t) for t in [*t_verify.values(), *t_draft.values()] if t)
+            agree = "" if worst == float("inf") else f", rounds agree within {worst:.0%}"
+            say(f"timing verify cost: round {r}{agree} ({elapsed:.0f} s)")
+        if r >= 2 and (elapsed >= budget_s or (r >= repeats and worst <= spread)):
+            break
     step = min(t_verify[widths[0]])
+    verify = [round(min(t_verify[w]) / step, 4) for w in widths]
+    noisy = not worst <= spread
+    if noisy:  # no padding: no wider pass counts as cheaper
+        verify = [max(verify[: i + 1]) for i in range(len(verify))]
     return CostCurve(
         widths=list(widths),
-        verify=[round(min(t_verify[w]) / step, 4) for w in widths],
+        verify=verify,
         draft=[round(min(t_draft[w]) / step, 4) if t_draft[w] else None for w in widths],
         step_ms=round(step * 1e3, 3),
         context=context,
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        spread=round(worst, 4) if worst != float("inf") else 1.0,
+        noisy=noisy,
     )
+
+
+def _round(tgt, draft, cache, d_cache, taps, widths, context, vocab, t_verify, t_draft) -> None:
+    """One pass at each width (and a draft pass); times appended unless this is the warm-up."""
+    for w in widths:
+        ids = mx.random.randint(0, vocab, (1, w))
+        mx.eval(ids)
+        tic = time.perf_counter()
+        logits, t = tgt(ids, cache, taps=draft is not None and w > 1)
+        mx.eval(mx.argmax(logits, axis=-1), t)
+        elapsed = time.perf_counter() - tic
+        tgt.truncate(cache, context)
+        if t_verify is not None:
+            t_verify[w].append(elapsed)
+        if draft is None or w < 2:
+            continue
+        block = mx.array([[0] + [draft.config.mask_token_id] * (w - 1)])
+        tic = time.perf_counter()
+        mx.eval(draft.propose(block, taps[:, :w], d_cache)[0])
+        elapsed = time.perf_counter() - tic
+        for c in d_cache:
+            c.trim(w)
+        if t_draft is not None:
+            t_draft[w].append(elapsed)
 
 
 def tau_at(alpha: float, block: int) -> float:
@@ -181,6 +223,22 @@ def cache_file() -> Path:
     return cache_dir() / "verify-cost.json"
 
 
+def forget(key: str | None = None) -> int:
+    """Drop this machine's cached curve for `key` (None: every model); return how many."""
+    path = cache_file()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return 0
+    mine = data.get(machine_key(), {})
+    gone = [k for k in mine if key is None or k == key]
+    for k in gone:
+        del mine[k]
+    if gone:
+        _write(path, data)
+    return len(gone)
+
+
 def cached(key: str) -> CostCurve | None:
     try:
         raw = json.loads(cache_file().read_text()).get(machine_key(), {}).get(key)
@@ -196,11 +254,15 @@ def store(key: str, curve: CostCurve) -> Path:
     except (OSError, ValueError):
         data = {}
     data.setdefault(machine_key(), {})[key] = asdict(curve)
+    _write(path, data)
+    return path
+
+
+def _write(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path)
-    return path
 
 
 def auto_block_size(pair: Pair, key: str, progress: Callable[[str], None] | None = None,
@@ -219,6 +281,9 @@ def curve_for(pair: Pair, key: str, progress: Callable[[str], None] | None = Non
     curve = cached(key)
     if curve is not None:
         return curve, True
+    if progress:
+        progress(f"timing verify cost once for this machine and model (up to ~{BUDGET_S:.0f} s; "
+                 "cached after)")
     curve = measure(pair, progress=progress)
     store(key, curve)
     return curve, False

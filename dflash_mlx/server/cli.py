@@ -124,6 +124,7 @@ def serve(spec, requested, *, draft_bits: int | None, weights: str, min_confiden
         pair, loaded = prepare.open_pair(spec, draft_bits, weights, render.progress,
                                          min_confidence, lookup)
         block = prepare.choose_block(pair, loaded, requested, render.note)
+        config = prepare.speculation(pair, loaded, block, render.progress)
     except BaseException:
         sock.close()
         raise
@@ -137,5 +138,5 @@ def serve(spec, requested, *, draft_bits: int | None, weights: str, min_confiden
     how = f"DFlash block {block}" if block > 1 else "plain autoregressive"
     render.note(f"serving {model_id} ({how}) on http://{where}:{bound}/v1"
                 f"{' with an API key' if api_key else ''}; Ctrl-C stops")
-    run(Worker(pair, loaded.speculation.replace(block_size=block), queue_size), cfg, sock,
+    run(Worker(pair, config, queue_size), cfg, sock,
         log_level)
