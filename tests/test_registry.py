@@ -140,3 +140,15 @@ def test_default_pair_needs_the_demo_draft(tmp_path, monkeypatch):
     (tmp_path / "missing").mkdir()
     (tmp_path / "missing" / "config.json").write_text("{}")
     assert registry.default_pair() == (tmp_path, tmp_path / "missing")
+
+
+def test_gemma_entry_runs_draft_free_from_its_pip_fetch(monkeypatch, tmp_path):
+    from dflash_mlx.demo import gemma
+
+    fetched = tmp_path / "gemma.gguf"
+    monkeypatch.setattr(gemma, "gemma_path", lambda fetch=True, progress=None: fetched)
+    spec = registry.resolve("gemma3-270m", None, no_draft=True)
+    assert spec.target == registry.GEMMA and spec.draft is None
+    assert registry.materialize(spec).target == str(fetched)
+    with pytest.raises(ModelNotFoundError, match="--no-draft"):  # no DFlash draft of ours
+        registry.resolve("gemma3-270m", None)
