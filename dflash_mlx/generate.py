@@ -17,12 +17,20 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import mlx.core as mx
+from mlx_lm.generate import wired_limit
 
 from .errors import InvalidArgumentError
 from .proposal import SpeculationConfig, draft_block
-from .sample_utils import SamplingParams, greedy_accept, rejection_sample, sampling_probs
+from .sample_utils import SamplingParams, greedy_accept, rejection_sample_device, sampling_probs
 
-PREFILL_STEP = 512
+
+def prefill_step() -> int:
+    """Prompt tokens per target pass: 512 on the CPU (its BLAS saturates there), 2048 on a
+    GPU as mlx-lm does."""
+    return 512 if mx.default_device() == mx.cpu else 2048
+
+
+PREFILL_STEP = prefill_step()  # the default device's, for callers that prefill themselves
 
 
 @dataclass
@@ -36,6 +44,8 @@ class BlockEvent:
         accepted: how many drafted ids the target accepted.
         accept_flags: per draft position, whether it was accepted.
         draft_s, verify_s: seconds spent drafting and verifying (incl. accept/rollback).
+            A round syncs the host once: unless the lookup or the cut reads the draft's
+            tokens, draft_s is only the draft's launch and verify_s holds its compute.
         block_size: verify width of this round (1 + len(drafted)).
         prompt_tokens: prompt tokens prefilled by this call (reused ones excluded).
         reused_tokens: prompt tokens served from the session cache.
@@ -115,18 +125,27 @@ def _rewind(pair, session: Session, keep: int):
         session.pending = session.pending[:, : keep - draft_len]
 
 
-def _append_pending(session: Session, taps: mx.array | None, limit: int | None):
-    if taps is None:
-        return
-    p = taps if session.pending is None else mx.concatenate([session.pending, taps], axis=1)
-    if limit is not None and p.shape[1] > limit:
-        # The draft can only ever read the last `limit` rows: skip the rest, keep positions absolute.
-        drop = p.shape[1] - limit
-        if all(c.size() == 0 for c in session.draft_cache):
-            for c in session.draft_cache:
-                c.skip(drop)
-            p = p[:, drop:]
-    session.pending = p
+def _feed_draft(pair, session: Session, taps: mx.array | None, floor: int | None):
+    """Give the rows already pending to the draft's cache and keep `taps` pending.
+
+    Prefill calls this per chunk, so no buffer is rebuilt per chunk and the first round takes
+    at most one chunk of context. Rows before absolute position `floor` (those a draft window
+    can never read) are skipped while the draft cache is still empty; positions stay absolute.
+    """
+    caches = session.draft_cache
+    rows = [r for r in (session.pending, taps) if r is not None]
+    session.pending = None
+    for i, r in enumerate(rows):
+        if floor is not None and all(c.size() == 0 for c in caches):
+            drop = min(max(floor - caches[0].offset, 0), r.shape[1])
+            if drop:
+                for c in caches:
+                    c.skip(drop)
+                r = r[:, drop:]
+        if i == len(rows) - 1:
+            session.pending = r
+        else:
+            pair.draft.absorb_context(r, caches)
 
 
 def prefill(pair, session: Session, prompt: list[int]) -> tuple[int, int]:
@@ -143,12 +162,19 @@ def prefill(pair, session: Session, prompt: list[int]) -> tuple[int, int]:
         _rewind(pair, session, keep)
         session.tokens = prompt[:keep]
         todo = prompt[keep:-1]
-        limit = pair.draft.context_rows_needed(session.draft_window) if use_draft else None
-        for start in range(0, len(todo), PREFILL_STEP):
-            chunk = todo[start : start + PREFILL_STEP]
+        floor = None
+        if use_draft:
+            limit = pair.draft.context_rows_needed(session.draft_window)
+            floor = None if limit is None else len(prompt) - 1 - limit
+        step = prefill_step()
+        for start in range(0, len(todo), step):
+            chunk = todo[start : start + step]
             _, taps = pair.target(mx.array([chunk]), session.target_cache, taps=use_draft)
-            _append_pending(session, taps, limit)
-            mx.eval([c.state for c in session.target_cache], session.pending)
+            states = [c.state for c in session.target_cache]
+            if use_draft:
+                _feed_draft(pair, session, taps, floor)
+                states += [c.state for c in session.draft_cache] + [session.pending]
+            mx.eval(states)
             session.tokens.extend(chunk)
         pair.target.checkpoint(session.target_cache)
     except BaseException:
@@ -257,96 +283,108 @@ def stream_generate(
     detok = pair.tokenizer.detokenizer
     detok.reset()
     produced = 0
-    while True:
-        width = min(block_size, max_tokens - produced)
-        last = session.tokens[-1]
-        base = len(session.tokens) - 1  # target cache length before this round
-        drafted: list[int] = []
-        q = hint = None
-        tic = time.perf_counter()
-        if width > 1:
-            block = mx.array([[last] + [mask_id] * (width - 1)])
-            draft_len = session.draft_cache[0].offset
-            dkey = None
-            if not params.greedy:  # DFlash 2's selector samples its path (v1 ignores both)
-                key, dkey = mx.random.split(key)
+    none = mx.zeros((0,), mx.int32)
+    # mlx-lm's wired limit on Metal (keeps the weights resident); does nothing elsewhere
+    with wired_limit(pair.target.model):
+        while True:
+            width = min(block_size, max_tokens - produced)
+            last = session.tokens[-1]
+            base = len(session.tokens) - 1  # target cache length before this round
+            tokens, q, hint = none, None, None
+            tic = time.perf_counter()
+            if width > 1:
+                block = mx.array([[last] + [mask_id] * (width - 1)])
+                draft_len = session.draft_cache[0].offset
+                dkey = None
+                if not params.greedy:  # DFlash 2's selector samples its path (v1 ignores both)
+                    key, dkey = mx.random.split(key)
+                try:
+                    tokens, q, hint = draft_block(
+                        pair.draft, block, session.pending, session.draft_cache, config,
+                        session.tokens, params=params, key=dkey,
+                    )
+                    tokens = tokens.astype(mx.int32)
+                    # the drafted ids stay on the device; on a GPU the draft runs while the
+                    # verify pass is being built
+                    mx.async_eval(tokens)
+                    session.pending = None
+                except BaseException:
+                    _truncate_draft(session.draft_cache, draft_len)
+                    raise
+            # without the lookup or the cut nothing waits for the draft here, so this is the
+            # time to launch it, and verify_s holds the rest of the round
+            draft_s = time.perf_counter() - tic
+
+            tic = time.perf_counter()
+            committed = base  # what the target cache may keep; grows only on success
             try:
-                tokens, q, hint = draft_block(
-                    pair.draft, block, session.pending, session.draft_cache, config,
-                    session.tokens, params=params, key=dkey,
+                n = tokens.shape[0]
+                w = n + 1
+                # rows past the block only pad the pass to a width the BLAS runs faster; their
+                # logits are never read and the `finally` below drops their cache entries
+                pad = config.width(w) - w
+                verify = [mx.array([last], mx.int32), tokens, mx.full((pad,), last, mx.int32)]
+                logits, taps = pair.target(
+                    # taps whenever a draft shares this session, so an AR turn keeps its context
+                    mx.concatenate(verify)[None], session.target_cache,
+                    taps=session.draft_cache is not None
                 )
-                mx.eval(tokens)
-                session.pending = None
-            except BaseException:
-                _truncate_draft(session.draft_cache, draft_len)
-                raise
-            drafted = tokens.tolist()
-        draft_s = time.perf_counter() - tic
+                logits = logits[0, :w]
+                if params.greedy:
+                    answer = mx.argmax(logits, axis=-1).astype(mx.int32)
+                else:
+                    key, sub = mx.random.split(key)
+                    answer = rejection_sample_device(tokens, sampling_probs(logits, params),
+                                                     q, sub)
+                # the round's one host sync: the drafted ids and the target's answer together
+                host = mx.concatenate([tokens, answer]).tolist()
+                drafted, answer = host[:n], host[n:]
+                if params.greedy:
+                    accepted, nxt = greedy_accept(drafted, answer)
+                else:
+                    accepted, nxt = answer
+                new = drafted[:accepted] + [nxt]
+                finish = None
+                for i, t in enumerate(new):
+                    if t in eos:
+                        new, finish = new[: i + 1], "stop"
+                        break
+                if finish is None and produced + len(new) >= max_tokens:
+                    new, finish = new[: max_tokens - produced], "length"
+                session.tokens.extend(new)
+                committed = len(session.tokens) - 1
+                if taps is not None:
+                    # a width-1 round drafts nothing, so earlier pending rows may still wait
+                    new_rows = taps[:, : committed - base]
+                    session.pending = (new_rows if session.pending is None
+                                       else mx.concatenate([session.pending, new_rows], axis=1))
+            finally:
+                # Positions past `committed` hold rejected drafts (or a half-done pass): drop them.
+                pair.target.truncate(session.target_cache, committed)
+            verify_s = time.perf_counter() - tic
 
-        tic = time.perf_counter()
-        committed = base  # what the target cache may keep; grows only on success
-        try:
-            verified = [last] + drafted
-            w = len(verified)
-            # rows past the block only pad the pass to a width the BLAS runs faster; their
-            # logits are never read and the `finally` below drops their cache entries
-            pad = config.width(w) - w
-            logits, taps = pair.target(
-                # taps whenever a draft shares this session, so an AR turn keeps its context whole
-                mx.array([verified + [last] * pad]), session.target_cache,
-                taps=session.draft_cache is not None
+            produced += len(new)
+            for t in new:
+                if t not in eos:
+                    detok.add_token(t)
+            if finish is not None:
+                detok.finalize()
+            yield BlockEvent(
+                tokens=new,
+                text=detok.last_segment,
+                drafted=drafted,
+                accepted=accepted,
+                accept_flags=[i < accepted for i in range(len(drafted))],
+                draft_s=draft_s,
+                verify_s=verify_s,
+                block_size=1 + len(drafted),
+                prompt_tokens=n_prompt,
+                reused_tokens=n_reused,
+                prompt_s=prompt_s,
+                generation_tokens=produced,
+                finish_reason=finish,
+                trimmed=max(width - 1 - len(drafted), 0),
+                lookup_flags=hint.flags(len(drafted)) if hint else [],
             )
-            logits = logits[0, :w]
-            if params.greedy:
-                accepted, nxt = greedy_accept(drafted, mx.argmax(logits, axis=-1).tolist())
-            else:
-                key, sub = mx.random.split(key)
-                probs = sampling_probs(logits, params)
-                accepted, nxt = rejection_sample(mx.array(drafted, mx.int32), probs, q, sub)
-            new = drafted[:accepted] + [nxt]
-            finish = None
-            for i, t in enumerate(new):
-                if t in eos:
-                    new, finish = new[: i + 1], "stop"
-                    break
-            if finish is None and produced + len(new) >= max_tokens:
-                new, finish = new[: max_tokens - produced], "length"
-            session.tokens.extend(new)
-            committed = len(session.tokens) - 1
-            if taps is not None:
-                # a width-1 round drafts nothing, so earlier pending rows may still be waiting
-                new_rows = taps[:, : committed - base]
-                session.pending = (new_rows if session.pending is None
-                                   else mx.concatenate([session.pending, new_rows], axis=1))
-        finally:
-            # Positions past `committed` hold rejected drafts (or a half-done pass): drop them.
-            pair.target.truncate(session.target_cache, committed)
-        verify_s = time.perf_counter() - tic
-
-        produced += len(new)
-        text = ""
-        for t in new:
-            if t not in eos:
-                detok.add_token(t)
-        if finish is not None:
-            detok.finalize()
-        text = detok.last_segment
-        yield BlockEvent(
-            tokens=new,
-            text=text,
-            drafted=drafted,
-            accepted=accepted,
-            accept_flags=[i < accepted for i in range(len(drafted))],
-            draft_s=draft_s,
-            verify_s=verify_s,
-            block_size=1 + len(drafted),
-            prompt_tokens=n_prompt,
-            reused_tokens=n_reused,
-            prompt_s=prompt_s,
-            generation_tokens=produced,
-            finish_reason=finish,
-            trimmed=max(width - 1 - len(drafted), 0),
-            lookup_flags=hint.flags(len(drafted)) if hint else [],
-        )
-        if finish is not None:
-            return
+            if finish is not None:
+                return

@@ -66,9 +66,13 @@ class SpeculationConfig:
     @classmethod
     def for_pair(cls, pair, **overrides) -> "SpeculationConfig":
         """This device's defaults for `pair` (`cpu/policy.py`), then `overrides` (None skipped)."""
-        from .cpu.policy import auto_min_confidence
+        from .cpu.policy import auto_min_confidence, on_cpu
 
-        base = cls(min_confidence=auto_min_confidence(pair.draft))
+        # The lookup and the cut read the draft's tokens on the host between the draft and the
+        # verify pass: a sync that leaves a GPU idle every round. They pay on the CPU, where a
+        # verified token costs and the host waits anyway; off the CPU both default to off
+        # (auto_min_confidence is 0 there), so a round syncs the host once.
+        base = cls(min_confidence=auto_min_confidence(pair.draft), lookup=on_cpu())
         return base.replace(**overrides)
 
     def replace(self, **overrides) -> "SpeculationConfig":

@@ -30,7 +30,9 @@ def sampling_probs(logits: mx.array, params: SamplingParams) -> mx.array:
     x = logits.astype(mx.float32) / params.temperature
     vocab = x.shape[-1]
     if 0 < params.top_k < vocab:
-        kth = mx.sort(x, axis=-1)[..., vocab - params.top_k][..., None]
+        # the k-th largest value, as a full sort would place it, without sorting the vocabulary
+        at = vocab - params.top_k
+        kth = mx.take_along_axis(x, mx.argpartition(x, at, axis=-1)[..., at:at + 1], axis=-1)
         x = mx.where(x >= kth, x, -mx.inf)
     probs = mx.softmax(x, axis=-1)
     if params.top_p < 1.0:
@@ -57,16 +59,50 @@ def greedy_accept(drafted: list[int], target_argmax: list[int]) -> tuple[int, in
     return accepted, target_argmax[accepted]
 
 
-def accept_prefix(drafted: mx.array, target_probs: mx.array, draft_probs: mx.array | None,
-                  key: mx.array) -> int:
-    """How many leading draft slots pass the test u·q(d) < p(d) (q = 1 for one-hot proposals)."""
+def accept_count(drafted: mx.array, target_probs: mx.array, draft_probs: mx.array | None,
+                 key: mx.array) -> mx.array:
+    """How many leading draft slots pass the test u·q(d) < p(d) (q = 1 for one-hot proposals),
+    as a device scalar."""
     gamma = drafted.shape[0]
     rows = mx.arange(gamma)
     p = target_probs[rows, drafted]
     q = mx.ones_like(p) if draft_probs is None else draft_probs[rows, drafted]
     u = mx.random.uniform(shape=(gamma,), key=key)
-    ok = (u * q < p).tolist()
-    return ok.index(False) if False in ok else gamma
+    return mx.cumprod((u * q < p).astype(mx.int32)).sum()
+
+
+def accept_prefix(drafted: mx.array, target_probs: mx.array, draft_probs: mx.array | None,
+                  key: mx.array) -> int:
+    """`accept_count` on the host."""
+    return accept_count(drafted, target_probs, draft_probs, key).item()
+
+
+def rejection_sample_device(
+    drafted: mx.array,
+    target_probs: mx.array,
+    draft_probs: mx.array | None,
+    key: mx.array,
+) -> mx.array:
+    """`rejection_sample` without leaving the device: an int32 array [accepted, next token]."""
+    gamma = drafted.shape[0]
+    k_accept, k_next = mx.random.split(key)
+    if gamma == 0:
+        nxt = mx.random.categorical(mx.log(target_probs[0]), key=k_next)
+        return mx.stack([mx.array(0, mx.int32), nxt.astype(mx.int32)])
+    accepted = accept_count(drafted, target_probs, draft_probs, k_accept)
+    dist = target_probs[accepted]
+    at = mx.minimum(accepted, gamma - 1)  # the first rejected slot, when there is one
+    if draft_probs is None:
+        q_row = (mx.arange(dist.shape[0]) == drafted[at]).astype(dist.dtype)
+    else:
+        q_row = draft_probs[at]
+    residual = mx.maximum(dist - q_row, 0.0)
+    total = residual.sum()
+    # p == q exactly leaves no residual mass; p itself is then the right distribution
+    rejected = mx.where(total > 0, residual / mx.maximum(total, 1e-30), dist)
+    dist = mx.where(accepted < gamma, rejected, dist)
+    nxt = mx.random.categorical(mx.log(dist), key=k_next)
+    return mx.stack([accepted.astype(mx.int32), nxt.astype(mx.int32)])
 
 
 def rejection_sample(
@@ -88,19 +124,5 @@ def rejection_sample(
         the normalised residual max(p − q, 0) at the first rejection, or from p after the
         last slot when everything was accepted.
     """
-    gamma = drafted.shape[0]
-    k_accept, k_next = mx.random.split(key)
-    if gamma == 0:
-        return 0, mx.random.categorical(mx.log(target_probs[0]), key=k_next).item()
-    accepted = accept_prefix(drafted, target_probs, draft_probs, k_accept)
-    dist = target_probs[accepted]
-    if accepted < gamma:
-        if draft_probs is None:
-            q_row = mx.arange(dist.shape[0]) == drafted[accepted]
-        else:
-            q_row = draft_probs[accepted]
-        residual = mx.maximum(dist - q_row, 0.0)
-        total = residual.sum()
-        # p == q exactly leaves no residual mass; p itself is then the right distribution
-        dist = mx.where(total > 0, residual / mx.maximum(total, 1e-30), dist)
-    return accepted, mx.random.categorical(mx.log(dist), key=k_next).item()
+    accepted, nxt = rejection_sample_device(drafted, target_probs, draft_probs, key).tolist()
+    return accepted, nxt

@@ -10,31 +10,66 @@ class ContextCache:
 
     Block K/V are never stored, so a rejected block leaves nothing to crop. `max_rows`
     bounds memory for sliding-window layers; `offset` stays absolute for RoPE and masks.
+
+    The rows live in buffers allocated `step` rows at a time and written in place, so a
+    round costs what its new rows cost, not what the context costs. Buffer row 0 holds
+    absolute position `_base`; rows `[start, offset)` are the ones the draft reads. With
+    `max_rows` the rows before `start` are left in place and dropped only when the buffer is
+    full (one copy of at most `max_rows` rows every `step` appended rows).
     """
+
+    step = 256
 
     def __init__(self, max_rows: int | None = None):
         self.max_rows = max_rows
         self.offset = 0  # absolute position after the last stored row
-        self.start = 0  # absolute position of the first stored row
-        self.keys = self.values = None
+        self.start = 0  # absolute position of the first row the draft reads
+        self._base = 0  # absolute position of buffer row 0
+        self._k = self._v = None
+
+    def _reserve(self, n: int, like_k: mx.array, like_v: mx.array):
+        """Make room for `n` rows after `offset`, compacting away rows before `start`."""
+        used = self.offset - self._base
+        if self._k is not None and used + n <= self._k.shape[2]:
+            return
+        keep = self.offset - self.start
+        rows = ((keep + n + self.step - 1) // self.step + 1) * self.step
+        B, H, _, Dk = like_k.shape
+        k = mx.zeros((B, H, rows, Dk), like_k.dtype)
+        v = mx.zeros((B, H, rows, like_v.shape[3]), like_v.dtype)
+        if self._k is not None and keep > 0:
+            lo = self.start - self._base
+            k[:, :, :keep] = self._k[:, :, lo:lo + keep]
+            v[:, :, :keep] = self._v[:, :, lo:lo + keep]
+        self._k, self._v, self._base = k, v, self.start
+
+    def _write(self, k: mx.array, v: mx.array) -> int:
+        self._reserve(k.shape[2], k, v)
+        at = self.offset - self._base
+        self._k[:, :, at:at + k.shape[2]] = k
+        self._v[:, :, at:at + k.shape[2]] = v
+        return at
 
     def append(self, k: mx.array, v: mx.array):
-        if self.keys is None:
-            self.keys, self.values = k, v
-        else:
-            self.keys = mx.concatenate([self.keys, k], axis=2)
-            self.values = mx.concatenate([self.values, v], axis=2)
+        self._write(k, v)
         self.offset += k.shape[2]
-        if self.max_rows is not None and self.keys.shape[2] > self.max_rows:
-            drop = self.keys.shape[2] - self.max_rows
-            self.keys, self.values = self.keys[:, :, drop:], self.values[:, :, drop:]
-            self.start += drop
+        if self.max_rows is not None:
+            self.start = max(self.start, self.offset - self.max_rows)
+
+    def with_block(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Keys and values of the stored context followed by `k`/`v` (a block), without
+        copying the context: the block is written into the free rows after `offset`, which
+        the next append overwrites. `offset` does not move."""
+        at = self._write(k, v)
+        lo = self.start - self._base
+        return self._k[:, :, lo:at + k.shape[2]], self._v[:, :, lo:at + k.shape[2]]
 
     def skip(self, n: int):
         """Advance the absolute position without storing rows (window-limited prefill)."""
-        assert self.keys is None, "skip() only before the first append"
+        assert self.size() == 0, "skip() only on an empty cache"
         self.offset += n
-        self.start += n
+        self.start = self._base = self.offset
+        self._k = self._v = None
 
     def trim(self, n: int) -> int:
         """Drop the last `n` positions. Going back past `start` (rows a window already
@@ -43,17 +78,30 @@ class ContextCache:
         n = min(n, self.offset)
         if n > 0:
             self.offset -= n
-            keep = max(self.offset - self.start, 0)
             self.start = min(self.start, self.offset)
-            if keep == 0:
-                self.keys = self.values = None
-            else:
-                self.keys, self.values = self.keys[:, :, :keep], self.values[:, :, :keep]
+            if self.offset <= self._base:  # nothing valid left in the buffer
+                self._base = self.offset
         return n
 
     def size(self) -> int:
         return self.offset - self.start
 
+    def _view(self, buf: mx.array | None) -> mx.array | None:
+        if buf is None or self.size() == 0:
+            return None
+        lo = self.start - self._base
+        return buf[:, :, lo:lo + self.size()]
+
+    @property
+    def keys(self) -> mx.array | None:
+        """The rows the draft reads, `[start, offset)`, oldest first (None when empty)."""
+        return self._view(self._k)
+
+    @property
+    def values(self) -> mx.array | None:
+        return self._view(self._v)
+
     @property
     def state(self):
-        return (self.keys, self.values) if self.keys is not None else ()
+        """The buffers (for `mx.eval`), or () when nothing was ever stored."""
+        return (self._k, self._v) if self._k is not None else ()

@@ -61,21 +61,22 @@ class Attention(nn.Module):
         B, L, _ = x.shape
         return x.reshape(B, L, n, self.head_dim).transpose(0, 2, 1, 3)
 
+    def absorb(self, ctx: mx.array, cache: "ContextCache"):
+        """Project context rows `ctx` (after fc + hidden_norm) to K/V into `cache`."""
+        kc = self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads))
+        vc = self._heads(self.v_proj(ctx), self.n_kv_heads)
+        cache.append(self.rope(kc, offset=cache.offset), vc)
+
     def __call__(self, x: mx.array, ctx: mx.array | None, cache: "ContextCache") -> mx.array:
         B, L, _ = x.shape
         if ctx is not None and ctx.shape[1] > 0:
-            kc = self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads))
-            vc = self._heads(self.v_proj(ctx), self.n_kv_heads)
-            cache.append(self.rope(kc, offset=cache.offset), vc)
+            self.absorb(ctx, cache)
         pos = cache.offset  # absolute position of block slot 0
         q = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=pos)
         kb = self.rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), offset=pos)
         vb = self._heads(self.v_proj(x), self.n_kv_heads)
-        if cache.keys is not None:
-            keys = mx.concatenate([cache.keys, kb], axis=2)
-            values = mx.concatenate([cache.values, vb], axis=2)
-        else:
-            keys, values = kb, vb
+        # the block's K/V go into the cache's free rows for this call only: no copy of the context
+        keys, values = cache.with_block(kb, vb)
         mask = self._mask(L, cache)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
@@ -180,6 +181,21 @@ class DFlashDraftModel(nn.Module):
         scale = self.config.input_embedding_scale
         return h * scale if scale != 1.0 else h
 
+    def context_features(self, context: mx.array, dtype) -> mx.array:
+        """The target taps as the draft's layers read them (fc + hidden_norm)."""
+        return self.hidden_norm(self.fc(context.astype(dtype)))
+
+    def absorb_context(self, context: mx.array, cache: list[ContextCache]):
+        """Add target taps (1, S, n_taps * hidden) to `cache` without drafting a block
+        (prefill feeds the draft chunk by chunk)."""
+        if context is None or context.shape[1] == 0:
+            return
+        # the dtype a block's embedding has (lazy: nothing is computed), as in __call__
+        dtype = self.embed(mx.zeros((1, 1), mx.int32)).dtype
+        ctx = self.context_features(context, dtype)
+        for layer, c in zip(self.layers, cache):
+            layer.self_attn.absorb(ctx, c)
+
     def __call__(
         self, block_ids: mx.array, context: mx.array | None, cache: list[ContextCache]
     ) -> mx.array:
@@ -195,7 +211,7 @@ class DFlashDraftModel(nn.Module):
         h = self.embed(block_ids)
         ctx = None
         if context is not None and context.shape[1] > 0:
-            ctx = self.hidden_norm(self.fc(context.astype(h.dtype)))
+            ctx = self.context_features(context, h.dtype)
         for layer, c in zip(self.layers, cache):
             h = layer(h, ctx, c)
         return self.norm(h)
