@@ -19,6 +19,7 @@ from typing import Iterator
 import mlx.core as mx
 from mlx_lm.generate import wired_limit
 
+from . import guards
 from .errors import InvalidArgumentError
 from .proposal import SpeculationConfig, draft_block
 from .sample_utils import SamplingParams, greedy_accept, rejection_sample_device, sampling_probs
@@ -69,6 +70,7 @@ class BlockEvent:
     finish_reason: str | None = None
     trimmed: int = 0  # drafted slots cut before verification for low draft confidence
     lookup_flags: list[bool] = field(default_factory=list)  # per drafted slot: from context lookup
+    note: str | None = None  # a one-line notice for the user (e.g. the switch to plain AR)
 
     @property
     def acceptance_length(self) -> int:
@@ -276,6 +278,8 @@ def stream_generate(
     key = mx.random.key(seed if seed is not None else random.getrandbits(32))
     eos = set(getattr(pair.tokenizer, "eos_token_ids", None) or [])
     mask_id = pair.draft.config.mask_token_id if speculate else None
+    watch = (guards.AcceptanceWatch(config.fallback_after)
+             if speculate and config.fallback_after else None)
 
     tic = time.perf_counter()
     n_prompt, n_reused = prefill(pair, session, ids)
@@ -330,6 +334,7 @@ def stream_generate(
                     taps=session.draft_cache is not None
                 )
                 logits = logits[0, :w]
+                finite = guards.logits_ok(logits)  # a broken checkpoint fails loud, not silent
                 if params.greedy:
                     answer = mx.argmax(logits, axis=-1).astype(mx.int32)
                 else:
@@ -337,7 +342,8 @@ def stream_generate(
                     answer = rejection_sample_device(tokens, sampling_probs(logits, params),
                                                      q, sub)
                 # the round's one host sync: the drafted ids and the target's answer together
-                host = mx.concatenate([tokens, answer]).tolist()
+                host = mx.concatenate([tokens, answer, finite.astype(mx.int32)[None]]).tolist()
+                guards.check_logits(host.pop(), pair.target_id)
                 drafted, answer = host[:n], host[n:]
                 if params.greedy:
                     accepted, nxt = greedy_accept(drafted, answer)
@@ -364,6 +370,9 @@ def stream_generate(
             verify_s = time.perf_counter() - tic
 
             produced += len(new)
+            note = None
+            if watch is not None and watch.feed(len(drafted), accepted):
+                block_size, watch, note = 1, None, watch.note  # the rest is plain AR: exact too
             for t in new:
                 if t not in eos:
                     detok.add_token(t)
@@ -385,6 +394,7 @@ def stream_generate(
                 finish_reason=finish,
                 trimmed=max(width - 1 - len(drafted), 0),
                 lookup_flags=hint.flags(len(drafted)) if hint else [],
+                note=note,
             )
             if finish is not None:
                 return

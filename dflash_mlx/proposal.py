@@ -30,6 +30,11 @@ import numpy as np
 from .errors import InvalidArgumentError
 
 
+# A draft that accepts nothing this many rounds running is not meant for this target: a real pair
+# accepts slot 1 in most rounds, so 16 misses in a row almost never happen to one.
+FALLBACK_AFTER = 16
+
+
 @dataclass(frozen=True)
 class SpeculationConfig:
     """How to speculate: one value per generation call, the same for every round.
@@ -44,6 +49,8 @@ class SpeculationConfig:
             faster (the CPU's measured cost curve); the added rows are never read.
         draft_window: keep at most this many context rows in the draft's cache (None: the
             draft config's own sliding windows only).
+        fallback_after: after this many drafting rounds in a row that accept nothing (a draft
+            meant for another target), the rest of the answer is plain AR (None: never).
     """
 
     block_size: int = 5
@@ -51,6 +58,7 @@ class SpeculationConfig:
     lookup: bool = True
     verify_pad: Mapping[int, int] = field(default_factory=dict)
     draft_window: int | None = None
+    fallback_after: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "verify_pad", MappingProxyType(dict(self.verify_pad)))
@@ -62,6 +70,9 @@ class SpeculationConfig:
         if self.draft_window is not None and self.draft_window < 1:
             raise InvalidArgumentError(
                 f"--draft-window must be at least 1, got {self.draft_window}")
+        if self.fallback_after is not None and self.fallback_after < 1:
+            raise InvalidArgumentError(
+                f"fallback_after must be at least 1, got {self.fallback_after}")
 
     @classmethod
     def for_pair(cls, pair, **overrides) -> "SpeculationConfig":
@@ -72,7 +83,8 @@ class SpeculationConfig:
         # verify pass: a sync that leaves a GPU idle every round. They pay on the CPU, where a
         # verified token costs and the host waits anyway; off the CPU both default to off
         # (auto_min_confidence is 0 there), so a round syncs the host once.
-        base = cls(min_confidence=auto_min_confidence(pair.draft), lookup=on_cpu())
+        base = cls(min_confidence=auto_min_confidence(pair.draft), lookup=on_cpu(),
+                   fallback_after=FALLBACK_AFTER)
         return base.replace(**overrides)
 
     def replace(self, **overrides) -> "SpeculationConfig":

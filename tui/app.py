@@ -265,6 +265,9 @@ class ChatApp(ChatActions, App[None]):
         while self._feed:
             events.append(self._feed.popleft())
         self.history.extend(len(ev.tokens) for ev in events)
+        for ev in events:
+            if ev.note:  # e.g. the draft accepted nothing for long: the rest is plain AR
+                self.notify(ev.note, title="Speculation off", severity="warning", timeout=20)
         for channel, text, labels in job.turn.add(events):
             await job.widget.write(channel, text, labels)
         self._show_turn(job.turn, job.block_size)

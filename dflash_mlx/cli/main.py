@@ -137,6 +137,8 @@ def _stream(pair, ids, config, sampling, writer, verbose):
                 writer.block(i, ev)
             if verbose:
                 out.side_note(render.block_line(i, ev))
+            if ev.note:  # e.g. the switch to plain AR when the draft accepts nothing
+                out.side_note(f"note: {ev.note}")
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (signals.py)
         signals.settle()  # a second one must not cut the cleanup or the stats short
         gen.close()  # the engine's finally blocks leave the caches exact
