@@ -11,6 +11,7 @@ cache plus `session.pending` (taps not yet given to the draft) cover the same po
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ def prefill_step() -> int:
     return 512 if mx.default_device() == mx.cpu else 2048
 
 
+MAX_SEED = 2**64 - 1  # mx.random.key takes a uint64
 PREFILL_STEP = prefill_step()  # the default device's, for callers that prefill themselves
 
 
@@ -199,18 +201,24 @@ def _check_args(pair, block_size: int, max_tokens: int, params: SamplingParams):
             )
     if max_tokens < 1:
         raise InvalidArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
-    if params.temperature < 0:
-        raise InvalidArgumentError(f"temperature must be ≥ 0, got {params.temperature}")
+    if not 0 <= params.temperature < math.inf:  # NaN fails this too
+        raise InvalidArgumentError(f"temperature must be ≥ 0 and finite, got {params.temperature}")
     if not 0 < params.top_p <= 1:
         raise InvalidArgumentError(f"top_p must be in (0, 1], got {params.top_p}")
     if params.top_k < 0:
         raise InvalidArgumentError(f"top_k must be ≥ 0, got {params.top_k}")
 
 
+def _check_seed(seed: int | None) -> None:
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise InvalidArgumentError(f"seed must be between 0 and 2**64-1, got {seed}")
+
+
 def check_sampling(max_tokens: int, temp: float, top_p: float, top_k: int,
                    seed: int | None) -> dict:
     """stream_generate's sampling kwargs, validated with the engine's own checks."""
     _check_args(None, 1, max_tokens, SamplingParams(float(temp), float(top_p), int(top_k)))
+    _check_seed(seed)
     return {"max_tokens": max_tokens, "temperature": temp, "top_p": top_p, "top_k": top_k,
             "seed": seed}
 
@@ -269,7 +277,12 @@ def stream_generate(
     config = (config or SpeculationConfig.for_pair(pair)).replace(**overrides)
     block_size = config.block_size
     _check_args(pair, block_size, max_tokens, params)
+    _check_seed(seed)
     ids = encode_prompt(pair, prompt)
+    limit = pair.target.context_length
+    capped = bool(limit) and len(ids) + max_tokens > limit
+    if capped:  # never decode past the model's context: stop there, and say so
+        max_tokens = limit - len(ids)
     speculate = block_size > 1
     if session is None:
         session = Session.new(pair, config)
@@ -294,7 +307,7 @@ def stream_generate(
             width = min(block_size, max_tokens - produced)
             last = session.tokens[-1]
             base = len(session.tokens) - 1  # target cache length before this round
-            tokens, q, hint = none, None, None
+            tokens, q, hint, note = none, None, None, None
             tic = time.perf_counter()
             if width > 1:
                 block = mx.array([[last] + [mask_id] * (width - 1)])
@@ -357,6 +370,8 @@ def stream_generate(
                         break
                 if finish is None and produced + len(new) >= max_tokens:
                     new, finish = new[: max_tokens - produced], "length"
+                    if capped:
+                        note = f"stopped at the model's context ({limit} tokens)"
                 session.tokens.extend(new)
                 committed = len(session.tokens) - 1
                 if taps is not None:
@@ -370,7 +385,6 @@ def stream_generate(
             verify_s = time.perf_counter() - tic
 
             produced += len(new)
-            note = None
             if watch is not None and watch.feed(len(drafted), accepted):
                 block_size, watch, note = 1, None, watch.note  # the rest is plain AR: exact too
             for t in new:

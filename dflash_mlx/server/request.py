@@ -15,14 +15,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ..chat import apply_template
-from ..generate import encode_prompt
+from ..generate import MAX_SEED, encode_prompt
 from ..errors import InvalidArgumentError
 
 MAX_BODY = 8 * 1024 * 1024
 MAX_STOPS = 16
 MAX_DEPTH = 32  # JSON nesting: OpenAI bodies need 5; deeper is an attack on recursive code
 MAX_TEMPLATE = 64 * 1024
-MAX_SEED = 2**64 - 1  # the PRNG key's range
 # chat_template_kwargs that would change what the server itself asks of the template
 SERVER_KWARGS = ("messages", "conversation", "add_generation_prompt", "tokenize", "return_dict",
                  "continue_final_message", "return_tensors", "padding", "truncation",
