@@ -22,7 +22,7 @@ from mlx_lm.generate import wired_limit
 
 from . import guards
 from .errors import InvalidArgumentError
-from .proposal import SpeculationConfig, draft_block
+from .proposal import SpeculationConfig, draft_block, lookup_block
 from .sample_utils import SamplingParams, greedy_accept, rejection_sample_device, sampling_probs
 
 
@@ -33,6 +33,7 @@ def prefill_step() -> int:
 
 
 MAX_SEED = 2**64 - 1  # mx.random.key takes a uint64
+LOOKUP_MAX_BLOCK = 16  # a lookup continuation longer than this rarely holds to its end
 PREFILL_STEP = prefill_step()  # the default device's, for callers that prefill themselves
 
 
@@ -188,10 +189,14 @@ def prefill(pair, session: Session, prompt: list[int]) -> tuple[int, int]:
     return len(todo), keep
 
 
-def _check_args(pair, block_size: int, max_tokens: int, params: SamplingParams):
+def _check_args(pair, block_size: int, max_tokens: int, params: SamplingParams,
+                lookup_only: bool = False):
     if block_size < 1:
         raise InvalidArgumentError(f"block size must be at least 1, got {block_size}")
-    if block_size > 1:
+    if block_size > LOOKUP_MAX_BLOCK and lookup_only:
+        raise InvalidArgumentError(f"block size {block_size} is above {LOOKUP_MAX_BLOCK}, the "
+                                   "widest draft-free lookup block")
+    if block_size > 1 and not lookup_only:
         if pair.draft is None:
             raise InvalidArgumentError("block size > 1 needs a draft model (this pair has none)")
         trained = pair.draft.config.block_size
@@ -276,7 +281,13 @@ def stream_generate(
                      min_confidence=None if min_confidence is None else float(min_confidence))
     config = (config or SpeculationConfig.for_pair(pair)).replace(**overrides)
     block_size = config.block_size
-    _check_args(pair, block_size, max_tokens, params)
+    # no draft, but the context lookup may still propose: draft-free speculation
+    lookup_only = config.draft_free and block_size > 1
+    if lookup_only and pair.draft is not None:
+        raise InvalidArgumentError("draft-free speculation is for a pair without a draft")
+    _check_args(pair, block_size, max_tokens, params, lookup_only)
+    if lookup_only:
+        pair.target.require_rollback()  # a pair with a draft checked this when it was bound
     _check_seed(seed)
     ids = encode_prompt(pair, prompt)
     limit = pair.target.context_length
@@ -286,11 +297,11 @@ def stream_generate(
     speculate = block_size > 1
     if session is None:
         session = Session.new(pair, config)
-    elif speculate and session.draft_cache is None:
+    elif speculate and not lookup_only and session.draft_cache is None:
         raise InvalidArgumentError("this session was started without a draft")
     key = mx.random.key(seed if seed is not None else random.getrandbits(32))
     eos = set(getattr(pair.tokenizer, "eos_token_ids", None) or [])
-    mask_id = pair.draft.config.mask_token_id if speculate else None
+    mask_id = pair.draft.config.mask_token_id if speculate and not lookup_only else None
     watch = (guards.AcceptanceWatch(config.fallback_after)
              if speculate and config.fallback_after else None)
 
@@ -309,7 +320,9 @@ def stream_generate(
             base = len(session.tokens) - 1  # target cache length before this round
             tokens, q, hint, note = none, None, None, None
             tic = time.perf_counter()
-            if width > 1:
+            if width > 1 and lookup_only:
+                tokens, hint = lookup_block(session.tokens, width - 1)
+            elif width > 1:
                 block = mx.array([[last] + [mask_id] * (width - 1)])
                 draft_len = session.draft_cache[0].offset
                 dkey = None
@@ -406,7 +419,8 @@ def stream_generate(
                 prompt_s=prompt_s,
                 generation_tokens=produced,
                 finish_reason=finish,
-                trimmed=max(width - 1 - len(drafted), 0),
+                # slots cut for low confidence (a lookup with nothing to offer cuts none)
+                trimmed=0 if lookup_only else max(width - 1 - len(drafted), 0),
                 lookup_flags=hint.flags(len(drafted)) if hint else [],
                 note=note,
             )

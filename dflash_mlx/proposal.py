@@ -51,6 +51,9 @@ class SpeculationConfig:
             draft config's own sliding windows only).
         fallback_after: after this many drafting rounds in a row that accept nothing (a draft
             meant for another target), the rest of the answer is plain AR (None: never).
+        draft_free: speculate with the context lookup alone, for a pair without a draft model
+            (`--draft lookup`): each round verifies what followed the context's last words
+            earlier, exact like any proposal.
     """
 
     block_size: int = 5
@@ -59,6 +62,7 @@ class SpeculationConfig:
     verify_pad: Mapping[int, int] = field(default_factory=dict)
     draft_window: int | None = None
     fallback_after: int | None = None
+    draft_free: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "verify_pad", MappingProxyType(dict(self.verify_pad)))
@@ -124,6 +128,14 @@ def draft_block(draft, block_ids: mx.array, context: mx.array | None, cache: lis
         ids, confidence, hint.start = merge(ids, confidence, hint.context)
     keep = joint_keep(confidence, cut) if cut > 0 else len(ids)
     return mx.array(ids[:keep], dtype=mx.int32), None, hint
+
+
+def lookup_block(tokens: list[int], k: int) -> tuple[mx.array, "Hint"]:
+    """Draft-free speculation: up to `k` tokens that followed the latest earlier occurrence of
+    the context's last words (none: the round is a plain AR step). Deterministic, so exact."""
+    found, _ = find(tokens, k)
+    hint = Hint(tokens, start=0 if found else None)
+    return mx.array(found, dtype=mx.int32), hint
 
 
 def joint_keep(confidence: list[float], min_confidence: float) -> int:

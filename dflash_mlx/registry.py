@@ -15,6 +15,7 @@ BUNDLED = Path(__file__).parent / "data" / "models.toml"  # a link to the repo's
 USER_ENV = "DFLASH_MLX_MODELS"
 DEMO_DRAFT = Path(__file__).parent / "demo" / "draft"
 EMBEDDED = "embedded:"
+LOOKUP = "lookup"  # `--draft lookup`: draft-free speculation with the context lookup alone
 GEMMA = EMBEDDED + "gemma3-270m-q4_k_m"  # Gemma 3 270M base, from PyPI chunks (demo/gemma.py)
 DEFAULT_NAME = "smollm2-demo"
 KINDS = ("dflash", "dflash2")
@@ -122,6 +123,8 @@ def _looks_like_path(name: str) -> bool:
 
 
 def _check_exists(name: str) -> None:
+    if name == LOOKUP:
+        return
     if not Path(name).expanduser().exists() and _looks_like_path(name):
         raise ModelNotFoundError(f"{name}: no such file or folder")
 

@@ -18,6 +18,7 @@ from ..generate import check_sampling  # noqa: F401  (re-exported for the comman
 from ..proposal import SpeculationConfig
 
 Say = Callable[[str], None] | None
+DEFAULT_LOOKUP_BLOCK = 5  # draft-free `--block-size auto`: the cost curve times a draft pass
 
 
 @dataclass
@@ -92,6 +93,13 @@ def parse_block_sizes(text: str, allow_auto: bool = True, allow_list: bool = Tru
 
 
 def check_block_size(pair, block: int) -> None:
+    if pair.draft is None:  # draft-free: the engine's own bound
+        from ..generate import LOOKUP_MAX_BLOCK
+
+        if block > LOOKUP_MAX_BLOCK:
+            raise InvalidArgumentError(
+                f"--block-size {block} is above {LOOKUP_MAX_BLOCK}, the widest lookup block")
+        return
     trained = pair.draft.config.block_size
     if block > trained:
         raise InvalidArgumentError(
@@ -135,7 +143,8 @@ def open_pair(spec: registry.Spec, draft_bits: int | None, weights: str, say: Sa
     bars = say is not None
     t_path = resolve(spec.target, MODEL_PATTERNS, spec.target_revision, progress=bars)
     d_path = None
-    if spec.draft is not None:
+    draft_free = spec.draft == registry.LOOKUP
+    if spec.draft is not None and not draft_free:
         d_path = resolve(spec.draft, DRAFT_PATTERNS, spec.draft_revision, progress=bars)
     pair = load(t_path, d_path, draft_bits=draft_bits, weights=weights, progress=say)
     loaded = Loaded(
@@ -145,8 +154,9 @@ def open_pair(spec: registry.Spec, draft_bits: int | None, weights: str, say: Sa
         pair.draft_bits if d_path is not None else 16, pair.weights,
     )
     loaded.pad_verify = pad_verify
-    loaded.speculation = SpeculationConfig.for_pair(pair, min_confidence=min_confidence,
-                                                    lookup=lookup)
+    loaded.speculation = SpeculationConfig.for_pair(
+        pair, min_confidence=min_confidence, lookup=lookup or draft_free,
+        draft_free=draft_free or None)
     return pair, loaded
 
 
@@ -202,7 +212,7 @@ def verify_pads(pair, loaded: Loaded, say: Say = None) -> dict[int, int]:
     """
     from ..cpu.policy import on_cpu
 
-    if pair.draft is None or not on_cpu():
+    if (pair.draft is None and not loaded.speculation.draft_free) or not on_cpu():
         return {}
     from ..cpu.cost import curve_for
 
@@ -220,9 +230,12 @@ def verify_pads(pair, loaded: Loaded, say: Say = None) -> dict[int, int]:
 
 
 def choose_block(pair, loaded: Loaded, requested: int | str, say: Say = None) -> int:
-    """The block size to run: 1 without a draft, `auto` from the cached cost curve."""
-    if pair.draft is None:
+    """The block size to run: 1 without a draft (unless draft-free), `auto` from the cached
+    cost curve."""
+    if pair.draft is None and not loaded.speculation.draft_free:
         return 1
+    if requested == "auto" and pair.draft is None:
+        return DEFAULT_LOOKUP_BLOCK
     if requested == "auto":
         from ..cpu.cost import auto_block_size
 
