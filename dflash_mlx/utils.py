@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from . import distributed
 from .models.config import DraftConfig
 from .models.dflash import DFlashDraftModel
 from .models.draft_vocab import read as vocab_ids
@@ -162,7 +163,7 @@ def load_draft(path: str | os.PathLike, draft_bits: int = 16,
     return model
 
 
-def load_target(path: Path) -> tuple[nn.Module, object]:
+def load_target(path: Path, lazy: bool = False) -> tuple[nn.Module, object]:
     if path.is_file() and path.suffix == ".gguf":
         from .gguf.reader import load_gguf
 
@@ -179,7 +180,7 @@ def load_target(path: Path) -> tuple[nn.Module, object]:
     from mlx_lm.utils import load as mlx_load
 
     try:
-        return mlx_load(str(path))
+        return mlx_load(str(path), lazy=lazy)  # lazy: a rank reads only its shard's slices
     except (ValueError, FileNotFoundError, KeyError, RuntimeError) as e:  # mx.load: corrupt file
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CheckpointError(f"{path}: cannot load target ({msg})") from None
@@ -213,6 +214,7 @@ def load(
     revisions: tuple[str | None, str | None] = (None, None),
     selector_bits: int | None = None,
     draft_vocab: bool = True,
+    shard: bool = True,
 ) -> Pair:
     """Load a target (mlx-lm folder, .gguf file or Hub repo) and a DFlash draft.
 
@@ -225,6 +227,9 @@ def load(
         selector_bits: 4 or 8 quantizes a DFlash 2 selector too (None keeps it as loaded).
         draft_vocab: use the draft's `draft_vocab.json` (a restricted proposal head) if it
             ships one; verification stays exact either way.
+        shard: under `mlx.launch` (2+ ranks) shard the target across them with mlx-lm's
+            tensor parallelism, the draft replicated (see `distributed`); False loads it
+            whole on every rank.
     """
     say = progress or (lambda _msg: None)
     dtype = weights_dtype(weights)
@@ -234,10 +239,14 @@ def load(
         raise DFlashError(f"--draft-bits must be one of 4, 8, 16, got {draft_bits}")
     say(f"loading target {target}")
     t_path = resolve(target, MODEL_PATTERNS, revisions[0], progress=progress is not None)
-    model, tokenizer = load_target(t_path)
+    group = distributed.world() if shard else None
+    model, tokenizer = load_target(t_path, lazy=group is not None)
     if dtype is not None:
         convert_weights(model, dtype)
-    tgt = target_for(model)  # HybridTarget for GatedDeltaNet (qwen3_5-family) targets
+    if group is not None:
+        tgt = distributed.sharded_target(distributed.shard(model, group), group)
+    else:
+        tgt = target_for(model)  # HybridTarget for GatedDeltaNet (qwen3_5-family) targets
     d_model = None
     if draft is not None:
         say(f"loading draft {draft}")
@@ -249,7 +258,7 @@ def load(
             convert_weights(d_model, dtype)
         d_model.bind(tgt)
         folder = d_path if d_path.is_dir() else d_path.parent
-        if draft_vocab and not cfg.is_dflash2:
+        if draft_vocab and not cfg.is_dflash2 and not getattr(tgt, "head_rows_sharded", False):
             d_model.restrict_head(vocab_ids(folder, tgt.vocab_size or cfg.vocab_size))
     policy = weights if weights != "auto" else ("float32" if dtype is not None else "quantized")
     return Pair(tgt, d_model, tokenizer, str(target), None if draft is None else str(draft),

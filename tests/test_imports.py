@@ -22,7 +22,7 @@ LAYERS = [
      "dflash_mlx.cpu.policy"),
     ("dflash_mlx.models", "dflash_mlx.sample_utils", "dflash_mlx.gguf"),
     ("dflash_mlx.proposal", "dflash_mlx.utils", "dflash_mlx.tiny", "dflash_mlx.demo",
-     "dflash_mlx.machine"),
+     "dflash_mlx.machine", "dflash_mlx.distributed"),
     ("dflash_mlx.generate",),
     ("dflash_mlx.stats", "dflash_mlx.chat", "dflash_mlx.registry", "dflash_mlx.cpu.cost"),
     ("dflash_mlx.bench", "dflash_mlx.train", "dflash_mlx.server"),

@@ -14,7 +14,7 @@ from .options import (
     ModelOpt, NoDraftOpt, ReasoningOpt, SeedOpt, SystemOpt, TempOpt, TopKOpt, TopPOpt, WeightsOpt,
     app,
 )
-from ..errors import DFlashError
+from ..errors import DFlashError, InvalidArgumentError
 
 
 @app.command()
@@ -91,7 +91,12 @@ def serve(
     (streaming or not), /v1/models, /health. One generation at a time, the rest queued."""
     from . import prepare
     from .. import registry
+    from ..distributed import world
     from ..server import cli as server_cli
+
+    if world() is not None:  # every rank would bind and answer on its own: refuse, in one line
+        raise InvalidArgumentError("serve does not run under mlx.launch yet: run it as one "
+                                   "process (generate runs distributed)")
 
     prepare.check_sampling(max_tokens, temp, top_p, top_k, None)
     (requested,) = [1] if no_draft else prepare.parse_block_sizes(block_size, allow_list=False)

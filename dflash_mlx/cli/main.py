@@ -8,6 +8,8 @@ Heavy imports (mlx, the engine) happen inside the commands.
 from __future__ import annotations
 
 import json
+import os
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Optional
@@ -79,6 +81,15 @@ def generate(
         return server_cli.generate(base_url, api_key, model, text, system_prompt, reasoning,
                                    not no_chat_template, sampling, quiet)
     (requested,) = [1] if no_draft else prepare.parse_block_sizes(block_size, allow_list=False)
+    from ..distributed import is_speaker, shared_seed, world
+
+    if (group := world()) is not None:  # mlx.launch: same decisions everywhere, rank 0 speaks
+        if requested == "auto":  # per-rank timings would pick different widths
+            raise InvalidArgumentError("--block-size auto is not available under mlx.launch: "
+                                       "give a number")
+        pad_verify, sampling["seed"] = False, shared_seed(seed, group)
+        if not is_speaker(group):
+            quiet, verbose, events, sys.stdout = True, False, None, open(os.devnull, "w")
     if check_parity and temp > 0:
         raise InvalidArgumentError("--check-parity compares greedy outputs: use it with --temp 0")
     text = prepare.read_prompt(prompt_arg, prompt)
@@ -99,7 +110,8 @@ def generate(
         from ..bench.runner import check_parity as run_parity
 
         parity = run_parity(pair, ids, tokens, max_tokens)
-        render.parity(pair, parity)
+        if is_speaker(group):
+            render.parity(pair, parity)
     if writer:
         from ..machine import versions
 
