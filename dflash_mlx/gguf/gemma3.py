@@ -8,13 +8,12 @@ Two conventions differ between the files and mlx-lm, both handled here:
   mlx-lm's `traditional=False` RoPE applies as is.
 """
 
-import re
 
 import mlx.core as mx
 from mlx_lm.models.gemma3_text import Model, ModelArgs
 
 from ..errors import CheckpointError
-from .metadata import meta, meta_int
+from .metadata import BLOCK, meta, meta_int, remap
 
 # llama.cpp hard-codes Gemma 3's layer pattern (5 sliding-window layers, then
 # one global) and its local RoPE base; GGUFs do not state them, so they are
@@ -22,28 +21,14 @@ from .metadata import meta, meta_int
 DEFAULT_SLIDING_PATTERN = 6
 DEFAULT_LOCAL_ROPE_BASE = 10000.0
 
-_TOP_LEVEL = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
 _BLOCK = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
+    **BLOCK,
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_BLOCK_KEY = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|scales|biases)")
-_TOP_KEY = re.compile(r"(\w+)\.(weight|scales|biases)")
 
 
 def sliding_pattern(metadata: dict) -> tuple[int, bool]:
@@ -114,13 +99,7 @@ def _rope_scaling(metadata: dict) -> dict | None:
 
 def remap_key(name: str) -> str:
     """The mlx-lm gemma3_text key of a GGUF tensor name."""
-    if m := _BLOCK_KEY.fullmatch(name):
-        layer, part, kind = m.groups()
-        if part in _BLOCK:
-            return f"model.layers.{layer}.{_BLOCK[part]}.{kind}"
-    elif (m := _TOP_KEY.fullmatch(name)) and m.group(1) in _TOP_LEVEL:
-        return f"{_TOP_LEVEL[m.group(1)]}.{m.group(2)}"
-    raise CheckpointError(f"unexpected tensor {name!r} in a gemma3 GGUF.")
+    return remap(name, _BLOCK, "gemma3")
 
 
 def unshift_norm(weight: mx.array) -> mx.array:

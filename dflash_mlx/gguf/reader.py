@@ -8,7 +8,6 @@ F16/F32 weights) stay float. A file holding any other type (the K-quants, Q5_0,
 as llama.cpp dequantizes it.
 """
 
-import re
 import struct
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from ..errors import CheckpointError, ModelNotFoundError
 from . import gemma3
 from .metadata import meta as _meta
+from .metadata import BLOCK, remap
 from .metadata import meta_int as _int
 from .parse import parse_header
 from .quants import dense_tensors, needs_dequantize
@@ -28,24 +28,7 @@ from .tokenizer import build_tokenizer
 SUPPORTED_TYPES = "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K"
 ARCHITECTURES = ("llama", "gemma3")
 
-_TOP_LEVEL = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_BLOCK = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_BLOCK_KEY = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|scales|biases|bias)")
-_TOP_KEY = re.compile(r"(\w+)\.(weight|scales|biases|bias)")
+_BLOCK = {**BLOCK, "ffn_norm": "post_attention_layernorm"}  # llama
 
 
 def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict]:
@@ -164,18 +147,8 @@ def _rope_scaling(metadata: dict) -> dict | None:
 
 
 def remap_key(name: str) -> str:
-    """The mlx-lm llama key of a GGUF tensor name (e.g. `blk.3.attn_q.scales`).
-
-    Raises:
-        CheckpointError: The name is not part of a llama GGUF.
-    """
-    if m := _BLOCK_KEY.fullmatch(name):
-        layer, part, kind = m.groups()
-        if part in _BLOCK:
-            return f"model.layers.{layer}.{_BLOCK[part]}.{kind}"
-    elif (m := _TOP_KEY.fullmatch(name)) and m.group(1) in _TOP_LEVEL:
-        return f"{_TOP_LEVEL[m.group(1)]}.{m.group(2)}"
-    raise CheckpointError(f"unexpected tensor {name!r} in a llama GGUF.")
+    """The mlx-lm llama key of a GGUF tensor name (e.g. `blk.3.attn_q.scales`)."""
+    return remap(name, _BLOCK, "llama")
 
 
 def _quantization(model: nn.Module, weights: dict[str, mx.array]) -> dict[str, dict]:
