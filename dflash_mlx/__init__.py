@@ -5,13 +5,14 @@ model code: `from dflash_mlx import load, stream_generate, Session` works as bef
 """
 
 import sys
-from importlib import import_module
-from typing import TYPE_CHECKING
 
 from .cli import signals as _signals
 
 if _signals.started_as_cli(sys.argv):  # a Ctrl-C in the imports below: one line, no traceback
     _signals.guard_startup()
+
+from importlib import import_module  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
 
 # Must run before the first `import mlx` (see cpu/blas.py): Linux CPU matmuls then use OpenBLAS.
 from .cpu import blas as _blas

@@ -18,6 +18,7 @@ stay quiet (the CLI's job).
 from __future__ import annotations
 
 import random
+import signal
 from contextlib import contextmanager
 
 import mlx.core as mx
@@ -33,9 +34,17 @@ class ShardingUnsupportedError(DFlashError):
 
 
 def world() -> mx.distributed.Group | None:
-    """The group `mlx.launch` started this process in, or None when running alone."""
+    """The group `mlx.launch` started this process in, or None when running alone.
+
+    In a group, Ctrl-C and SIGTERM end the process at once: a rank waiting inside an
+    all-reduce never returns to Python to handle them, and a peer that stopped in Python would
+    leave it waiting for good."""
     group = mx.distributed.init()
-    return group if group.size() > 1 else None
+    if group.size() <= 1:
+        return None
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return group
 
 
 def is_speaker(group: mx.distributed.Group | None) -> bool:

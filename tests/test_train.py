@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten
 import pytest
 from mlx_lm.generate import generate_step
 
-from dflash_mlx import load, stream_generate, tiny
+from dflash_mlx import SpeculationConfig, load, stream_generate, tiny
 from dflash_mlx.models.dflash import DFlashDraftModel
 from dflash_mlx.utils import load_draft
 from dflash_mlx.stats import Stats
@@ -436,8 +436,9 @@ def test_walked_rounds_are_the_engines_rounds(trained):
     for k in range(4):
         prompt = [int(t) for t in trained["held"][0].sequence(k)[0][:20]]
         # the walk scores the draft alone: no context lookup in the engine run either
-        events = list(stream_generate(live, prompt, block_size=5, max_tokens=40, min_confidence=0,
-                                      lookup=False))
+        # every round speculates: no cut, no lookup, no switch to AR (a random draft misses)
+        events = list(stream_generate(live, prompt, SpeculationConfig(lookup=False),
+                                      block_size=5, max_tokens=40))
         engine = [e.accepted for e in events if e.drafted]
         seq = prompt + [t for e in events for t in e.tokens]
         logits, taps = pair.target(mx.array([seq]), pair.target.make_cache())

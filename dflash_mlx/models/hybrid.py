@@ -231,6 +231,7 @@ class HybridTarget(Target):
     def truncate(self, cache: HybridCache, length: int) -> None:
         """Drop every position ≥ `length`; GatedDeltaNet states are replayed, not trimmed."""
         if length >= cache.length:
+            cache.captures = None  # the call kept every row: nothing to replay, free them
             return
         if self.rewind_point(cache, length) != length:
             raise RollbackError(
