@@ -14,11 +14,18 @@ import pytest
 MAX_TOKENS = 1900  # the tiny targets' context is 2048: long enough to be stopped mid-stream
 
 
+def _default_sigint():
+    """A child of a background job inherits an ignored SIGINT (a user's `cmd &` keeps it so,
+    rightly); these children are meant to be interrupted, so they start with the default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(*args: str) -> subprocess.Popen:
     # unbuffered: the first text arrives as it is generated, not when the run ends
     env = {**os.environ, "COLUMNS": "120", "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, "-m", "dflash_mlx.cli", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=_default_sigint)
 
 
 def generating(tiny) -> subprocess.Popen:
@@ -65,7 +72,7 @@ def test_ctrl_c_during_the_imports(tiny, delay):
             "from dflash_mlx.cli import run; run()")
     p = subprocess.Popen([sys.executable, "-c", code, str(tiny.oracle_target),
                           str(tiny.oracle_draft)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_default_sigint)
     assert p.stdout.readline() == b"go\n"
     time.sleep(delay)
     p.send_signal(signal.SIGINT)
