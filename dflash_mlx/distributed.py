@@ -73,6 +73,15 @@ def shard(model: nn.Module, group: mx.distributed.Group) -> nn.Module:
             f"target model type {kind!r} cannot be sharded by this mlx-lm (no tensor-parallel "
             "shard()): run it on one machine, without mlx.launch"
         )
+    args = getattr(getattr(model, "language_model", model), "args", None)
+    n = group.size()
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(args, field, None)
+        if isinstance(heads, int) and heads % n:  # mlx-lm would split them unevenly
+            raise ShardingUnsupportedError(
+                f"target has {heads} {field.replace('num_', '').replace('_', ' ')}, which "
+                f"{n} ranks cannot split evenly: run it on one machine, or on a rank count "
+                "that divides them")
     try:
         model.shard(group)
     except (AssertionError, ValueError) as e:  # e.g. a head count the group size does not divide

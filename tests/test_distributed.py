@@ -218,3 +218,18 @@ def test_cli_generate_under_mlx_launch_speaks_once(models):
     assert proc.returncode == 0 and alone.returncode == 0, err[-2000:] + alone.stderr[-2000:]
     assert alone.stdout.strip() and out == alone.stdout  # rank 0's text only, once
     assert err.count("Generation:") == alone.stderr.count("Generation:") == 1
+
+
+def test_heads_the_ranks_cannot_split_are_refused(tmp_path):
+    """The demo target (9 query, 3 KV heads) on 2 ranks: one line, before mlx-lm would split
+    the heads unevenly and fail inside attention."""
+    from types import SimpleNamespace
+
+    from mlx_lm.utils import load as mlx_load
+
+    from dflash_mlx.distributed import ShardingUnsupportedError, shard
+
+    model, _ = mlx_load(str(make_target(tmp_path / "t", num_attention_heads=3,
+                                        num_key_value_heads=3, head_dim=16)))
+    with pytest.raises(ShardingUnsupportedError, match="3 attention heads, which 2 ranks"):
+        shard(model, SimpleNamespace(size=lambda: 2))
