@@ -11,7 +11,6 @@ cache plus `session.pending` (taps not yet given to the draft) cover the same po
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ import mlx.core as mx
 from mlx_lm.generate import wired_limit
 
 from . import guards
+from .checks import _check_args, _check_seed, encode_prompt
 from .errors import InvalidArgumentError
 from .proposal import SpeculationConfig, draft_block, lookup_block
 from .sample_utils import SamplingParams, greedy_accept, rejection_sample_device, sampling_probs
@@ -32,8 +32,6 @@ def prefill_step() -> int:
     return 512 if mx.default_device() == mx.cpu else 2048
 
 
-MAX_SEED = 2**64 - 1  # mx.random.key takes a uint64
-LOOKUP_MAX_BLOCK = 16  # a lookup continuation longer than this rarely holds to its end
 PREFILL_STEP = prefill_step()  # the default device's, for callers that prefill themselves
 
 
@@ -187,63 +185,6 @@ def prefill(pair, session: Session, prompt: list[int]) -> tuple[int, int]:
         raise
     session.tokens.append(prompt[-1])
     return len(todo), keep
-
-
-def _check_args(pair, block_size: int, max_tokens: int, params: SamplingParams,
-                lookup_only: bool = False):
-    if block_size < 1:
-        raise InvalidArgumentError(f"block size must be at least 1, got {block_size}")
-    if block_size > LOOKUP_MAX_BLOCK and lookup_only:
-        raise InvalidArgumentError(f"block size {block_size} is above {LOOKUP_MAX_BLOCK}, the "
-                                   "widest draft-free lookup block")
-    if block_size > 1 and not lookup_only:
-        if pair.draft is None:
-            raise InvalidArgumentError("block size > 1 needs a draft model (this pair has none)")
-        trained = pair.draft.config.block_size
-        if block_size > trained:
-            raise InvalidArgumentError(
-                f"block size {block_size} is above the draft's trained block size {trained}"
-            )
-    if max_tokens < 1:
-        raise InvalidArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
-    if not 0 <= params.temperature < math.inf:  # NaN fails this too
-        raise InvalidArgumentError(f"temperature must be ≥ 0 and finite, got {params.temperature}")
-    if not 0 < params.top_p <= 1:
-        raise InvalidArgumentError(f"top_p must be in (0, 1], got {params.top_p}")
-    if params.top_k < 0:
-        raise InvalidArgumentError(f"top_k must be ≥ 0, got {params.top_k}")
-
-
-def _check_seed(seed: int | None) -> None:
-    if seed is not None and not 0 <= seed <= MAX_SEED:
-        raise InvalidArgumentError(f"seed must be between 0 and 2**64-1, got {seed}")
-
-
-def check_sampling(max_tokens: int, temp: float, top_p: float, top_k: int,
-                   seed: int | None) -> dict:
-    """stream_generate's sampling kwargs, validated with the engine's own checks."""
-    _check_args(None, 1, max_tokens, SamplingParams(float(temp), float(top_p), int(top_k)))
-    _check_seed(seed)
-    return {"max_tokens": max_tokens, "temperature": temp, "top_p": top_p, "top_k": top_k,
-            "seed": seed}
-
-
-def encode_prompt(pair, prompt: str | list[int]) -> list[int]:
-    if isinstance(prompt, str):
-        ids = pair.tokenizer.encode(prompt) if prompt else []
-    else:
-        ids = [int(t) for t in prompt]
-    if not ids:
-        raise InvalidArgumentError("the prompt is empty")
-    limit = pair.target.context_length
-    if limit and len(ids) >= limit:
-        raise InvalidArgumentError(
-            f"the prompt has {len(ids)} tokens; the target's context is {limit} tokens"
-        )
-    bad = [t for t in ids if not 0 <= t < pair.target.vocab_size]
-    if bad:
-        raise InvalidArgumentError(f"prompt token id {bad[0]} is outside the target vocabulary")
-    return ids
 
 
 def stream_generate(

@@ -20,7 +20,7 @@ PACKAGES = ("dflash_mlx", "tui")
 LAYERS = [
     ("dflash_mlx", "dflash_mlx.errors", "dflash_mlx.cpu", "dflash_mlx.cpu.blas",
      "dflash_mlx.cpu.policy"),
-    ("dflash_mlx.models", "dflash_mlx.sample_utils", "dflash_mlx.gguf"),
+    ("dflash_mlx.models", "dflash_mlx.sample_utils", "dflash_mlx.checks", "dflash_mlx.gguf"),
     ("dflash_mlx.proposal", "dflash_mlx.utils", "dflash_mlx.tiny", "dflash_mlx.demo",
      "dflash_mlx.machine", "dflash_mlx.distributed"),
     ("dflash_mlx.generate",),

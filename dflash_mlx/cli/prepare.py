@@ -14,7 +14,7 @@ from typing import Callable
 
 from .. import registry
 from ..errors import InvalidArgumentError
-from ..generate import check_sampling  # noqa: F401  (re-exported for the commands)
+from ..checks import check_sampling  # noqa: F401  (re-exported for the commands)
 from ..proposal import SpeculationConfig
 
 Say = Callable[[str], None] | None
@@ -94,7 +94,7 @@ def parse_block_sizes(text: str, allow_auto: bool = True, allow_list: bool = Tru
 
 def check_block_size(pair, block: int) -> None:
     if pair.draft is None:  # draft-free: the engine's own bound
-        from ..generate import LOOKUP_MAX_BLOCK
+        from ..checks import LOOKUP_MAX_BLOCK
 
         if block > LOOKUP_MAX_BLOCK:
             raise InvalidArgumentError(
@@ -261,7 +261,7 @@ def prompt_ids(pair, text: str, system: str | None, template_kwargs: dict,
                use_template: bool = True) -> list[int]:
     """The prompt's ids through the chat template, checked against the target (its context,
     its vocabulary) before anything slow runs."""
-    from ..generate import encode_prompt
+    from ..checks import encode_prompt
 
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": text})

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ..chat import apply_template
-from ..generate import MAX_SEED, encode_prompt
+from ..checks import MAX_SEED, encode_prompt
 from ..errors import InvalidArgumentError
 
 MAX_BODY = 8 * 1024 * 1024
@@ -130,7 +130,7 @@ def settings(body: dict, cfg: ServerConfig) -> dict:
         raise APIError(400, f"'seed' must be between 0 and 2**64-1, got {_short(seed)}", "seed")
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = _number({"max_tokens": limit}, "max_tokens", None, integer=True)
-    from ..generate import check_sampling
+    from ..checks import check_sampling
 
     try:
         check_sampling(1 if max_tokens is None else max_tokens, sampling["temperature"], sampling["top_p"],

@@ -1,0 +1,72 @@
+"""What a generation call accepts: block sizes, sampling settings, seeds and prompts.
+
+Shared by the engine, the CLI and the server, so a bad value reads the same one line wherever it
+comes from, before anything is loaded or decoded.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .errors import InvalidArgumentError
+from .sample_utils import SamplingParams
+
+MAX_SEED = 2**64 - 1  # mx.random.key takes a uint64
+LOOKUP_MAX_BLOCK = 16  # a lookup continuation longer than this rarely holds to its end
+
+
+def _check_args(pair, block_size: int, max_tokens: int, params: SamplingParams,
+                lookup_only: bool = False):
+    if block_size < 1:
+        raise InvalidArgumentError(f"block size must be at least 1, got {block_size}")
+    if block_size > LOOKUP_MAX_BLOCK and lookup_only:
+        raise InvalidArgumentError(f"block size {block_size} is above {LOOKUP_MAX_BLOCK}, the "
+                                   "widest draft-free lookup block")
+    if block_size > 1 and not lookup_only:
+        if pair.draft is None:
+            raise InvalidArgumentError("block size > 1 needs a draft model (this pair has none)")
+        trained = pair.draft.config.block_size
+        if block_size > trained:
+            raise InvalidArgumentError(
+                f"block size {block_size} is above the draft's trained block size {trained}"
+            )
+    if max_tokens < 1:
+        raise InvalidArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
+    if not 0 <= params.temperature < math.inf:  # NaN fails this too
+        raise InvalidArgumentError(f"temperature must be ≥ 0 and finite, got {params.temperature}")
+    if not 0 < params.top_p <= 1:
+        raise InvalidArgumentError(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.top_k < 0:
+        raise InvalidArgumentError(f"top_k must be ≥ 0, got {params.top_k}")
+
+
+def _check_seed(seed: int | None) -> None:
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise InvalidArgumentError(f"seed must be between 0 and 2**64-1, got {seed}")
+
+
+def check_sampling(max_tokens: int, temp: float, top_p: float, top_k: int,
+                   seed: int | None) -> dict:
+    """stream_generate's sampling kwargs, validated with the engine's own checks."""
+    _check_args(None, 1, max_tokens, SamplingParams(float(temp), float(top_p), int(top_k)))
+    _check_seed(seed)
+    return {"max_tokens": max_tokens, "temperature": temp, "top_p": top_p, "top_k": top_k,
+            "seed": seed}
+
+
+def encode_prompt(pair, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        ids = pair.tokenizer.encode(prompt) if prompt else []
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise InvalidArgumentError("the prompt is empty")
+    limit = pair.target.context_length
+    if limit and len(ids) >= limit:
+        raise InvalidArgumentError(
+            f"the prompt has {len(ids)} tokens; the target's context is {limit} tokens"
+        )
+    bad = [t for t in ids if not 0 <= t < pair.target.vocab_size]
+    if bad:
+        raise InvalidArgumentError(f"prompt token id {bad[0]} is outside the target vocabulary")
+    return ids
