@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -157,3 +159,58 @@ def test_sampled_benchmark_has_no_greedy_match(tiny, isolated_cache):
                             "--top-p", "0.9", "--top-k", "20"])
     assert r.exit_code == 0, r.output
     assert "n/a" in r.stdout
+
+
+def test_prompt_file_forms_and_hash(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    lines = ['"plain text"', '{"prompt": "one turn", "id": 3}', '',
+             '{"turns": ["first", "second"]}',
+             '{"messages": [{"role": "system", "content": "be brief"}, '
+             '{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a"}, '
+             '{"role": "user", "content": "u2"}]}']
+    path.write_text("\n".join(lines) + "\n")
+    meta, items = bench.load_prompt_file(path)
+    assert items == [["plain text"], ["one turn"], ["first", "second"], ["u1", "u2"]]
+    assert meta["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert (meta["name"], meta["items"]) == ("mine", 4)
+    metas, sets = bench.select_prompts("gsm8k", path, None)  # a file: all of it by default
+    assert list(sets) == ["mine"] and len(sets["mine"]) == 4
+    metas, sets = bench.select_prompts("gsm8k", None, None)  # datasets: 8 by default
+    assert len(sets["gsm8k"]) == 8 and metas["gsm8k"]["license"] == "MIT"
+
+
+@pytest.mark.parametrize("content, msg", [
+    (b"", "no prompts in the file"),
+    (b"\n\n", "no prompts in the file"),
+    (b'{"prompt": "ok"}\n{"prompt": \n', "line 2: Expecting value"),
+    (b'"ok"\n{"question": "x"}\n', "line 2: expected a non-empty string"),
+    (b'{"prompt": ""}\n', "line 1: expected a non-empty string"),
+    (b'{"prompt": 7}\n', "line 1: expected a non-empty string"),
+    (b'{"turns": []}\n', "line 1: expected a non-empty string"),
+    (b'{"turns": ["a", 2]}\n', "line 1: expected a non-empty string"),
+    (b'{"messages": "hi"}\n', "line 1: `messages` must be a list"),
+    (b'{"messages": [{"role": "system", "content": "s"}]}\n', "line 1: expected a non-empty"),
+    (b'"caf\xe9"\n', "not UTF-8 text (byte 4)"),
+    (b"[1, 2]\n", "line 1: expected a non-empty string"),
+])
+def test_bad_prompt_files_are_one_line(tmp_path, content, msg):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(bench.InvalidArgumentError, match=re.escape(msg)):
+        bench.load_prompt_file(path)
+
+
+def test_benchmark_on_a_prompt_file(tiny, isolated_cache, tmp_path):
+    path, out = tmp_path / "own.jsonl", tmp_path / "card.json"
+    path.write_text('{"prompt": "Name a colour."}\n"Count to three."\n{"prompt": "Hello"}\n')
+    r = runner.invoke(app, ["benchmark", "--model", str(tiny.oracle_target), "--draft",
+                            str(tiny.oracle_draft), "--prompts", str(path), "--num-prompts", "2",
+                            "--max-tokens", "6", "--block-size", "3", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    card = json.loads(out.read_text())
+    assert card["datasets"]["own"]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert card["datasets"]["own"]["items"] == 2 and len(card["samples"]) == 2
+    assert card["settings"]["num_prompts"] == 2
+    r = runner.invoke(app, ["benchmark", "--model", str(tiny.oracle_target), "--draft",
+                            str(tiny.oracle_draft), "--prompts", str(tmp_path / "none.jsonl")])
+    assert r.exit_code == 2 and "none.jsonl: cannot read" in r.stderr

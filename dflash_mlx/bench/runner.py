@@ -9,6 +9,7 @@ slow drift (thermals, other load) does not favour either side. Repeats keep the 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 import time
@@ -43,6 +44,74 @@ def load_prompts(name: str) -> tuple[dict, list[list[str]]]:
         else:
             items.append(list(row["turns"]))
     return meta, items
+
+
+def load_prompt_file(path: Path) -> tuple[dict, list[list[str]]]:
+    """(metadata with the file's sha256, items) of a user's JSONL of prompts.
+
+    A line is a JSON string (one user turn), or an object with `prompt` (one turn), `turns`
+    (user turns in order) or `messages` (chat messages; the user turns are kept, as every later
+    turn follows the AR answer to the one before, like the bundled multi-turn sets).
+    """
+    where = f"--prompts {path}"
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise InvalidArgumentError(f"{where}: cannot read ({e.strerror or e})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidArgumentError(f"{where}: not UTF-8 text (byte {e.start})") from None
+    items = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            items.append(_turns(json.loads(line)))
+        except (ValueError, TypeError) as e:
+            msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+            raise InvalidArgumentError(f"{where}, line {n}: {msg}") from None
+    if not items:
+        raise InvalidArgumentError(f"{where}: no prompts in the file")
+    meta = {"name": Path(path).stem, "source": "--prompts",
+            "sha256": hashlib.sha256(raw).hexdigest(), "items": len(items)}
+    return meta, items
+
+
+def select_prompts(dataset: str, prompts: Path | None, num_prompts: int | None
+                   ) -> tuple[dict[str, dict], dict[str, list[list[str]]]]:
+    """(metadata, items) per set: a --prompts file (all of it by default) or bundled datasets
+    (8 items each by default), cut to `num_prompts` items in file order."""
+    if num_prompts is not None and num_prompts < 1:
+        raise InvalidArgumentError("--num-prompts must be at least 1")
+    if prompts is not None:
+        meta, items = load_prompt_file(prompts)
+        metas, found = {meta["name"]: meta}, {meta["name"]: items}
+    else:
+        metas, found = {}, {}
+        for name in parse_datasets(dataset):
+            metas[name], found[name] = load_prompts(name)
+        num_prompts = num_prompts or 8
+    return metas, {name: items[:num_prompts] for name, items in found.items()}
+
+
+def _turns(row) -> list[str]:
+    if isinstance(row, dict) and "prompt" in row:
+        turns = [row["prompt"]]
+    elif isinstance(row, dict) and "turns" in row:
+        turns = row["turns"]
+    elif isinstance(row, dict) and "messages" in row:
+        msgs = row["messages"]
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
+            raise TypeError("`messages` must be a list of {role, content} objects")
+        turns = [m.get("content") for m in msgs if m.get("role") == "user"]
+    else:
+        turns = [row]
+    if not isinstance(turns, list) or not turns or \
+            not all(isinstance(t, str) and t.strip() for t in turns):
+        raise TypeError("expected a non-empty string, or an object with `prompt`, `turns` or "
+                        "`messages` holding non-empty user text")
+    return turns
 
 
 def parse_datasets(spec: str) -> list[str]:

@@ -301,7 +301,13 @@ def benchmark(
     pad_verify: PadVerifyOpt = True,
     dataset: Annotated[str, typer.Option(
         help="gsm8k, math500, humaneval, mbpp, mt-bench; a comma list, or all.")] = "gsm8k",
-    num_prompts: Annotated[int, typer.Option(help="Items per dataset (file order).")] = 8,
+    prompts: Annotated[Optional[Path], typer.Option(
+        "--prompts", help="Your own prompts instead of --dataset: a JSONL file, one prompt per "
+        "line (a string, or {\"prompt\": ...}, {\"turns\": [...]}, {\"messages\": [...]}); "
+        "the card records its sha256.", show_default=False)] = None,
+    num_prompts: Annotated[Optional[int], typer.Option(
+        help="Items per dataset (file order). Default: 8, or all of a --prompts file.",
+        show_default=False)] = None,
     max_tokens: MaxTokensOpt = 128,
     block_size: Annotated[str, typer.Option(
         "--block-size", help="Block size, or a list to sweep: 3,5,8.")] = DEFAULT_BLOCK_SIZE,
@@ -332,23 +338,20 @@ def benchmark(
 
     sampling = prepare.check_sampling(max_tokens, temp, top_p, top_k, seed)
     if server_cli.is_remote(backend, base_url):
-        return server_cli.benchmark(base_url, api_key, model, dataset, num_prompts, concurrency,
-                                    sampling, reasoning, out)
+        return server_cli.benchmark(base_url, api_key, model, dataset, prompts, num_prompts,
+                                    concurrency, sampling, reasoning, out)
     if concurrency != 1:
         raise InvalidArgumentError("--concurrency goes with --backend openai (the local engine "
                                    "runs one stream)")
     spec = registry.resolve(model, draft)
     template_kwargs = registry.reasoning_kwargs(spec.entry, reasoning)
     blocks = prepare.parse_block_sizes(block_size, allow_auto=False)
-    if num_prompts < 1 or repeats < 1:
-        raise InvalidArgumentError("--num-prompts and --repeats must be at least 1")
-    names = bench.parse_datasets(dataset)
+    if repeats < 1:
+        raise InvalidArgumentError("--repeats must be at least 1")
+    metas, sets = bench.select_prompts(dataset, prompts, num_prompts)
+    names = list(sets)
     if out is not None:
         render.EventsWriter(out, "--out").close()  # fail now, not after the run
-    sets, metas = {}, {}
-    for name in names:
-        metas[name], items = bench.load_prompts(name)
-        sets[name] = items[:num_prompts]
     pair, loaded = prepare.open_pair(spec, draft_bits, weights, render.progress, min_confidence,
                                       lookup, pad_verify)
     for b in blocks:
@@ -362,7 +365,7 @@ def benchmark(
     if out is not None:
         settings = {**sampling, "block_sizes": blocks, "min_confidence": config.min_confidence,
                     "lookup": config.lookup, "verify_pad": dict(config.verify_pad),
-                    "num_prompts": num_prompts,
+                    "num_prompts": max(len(v) for v in sets.values()),
                     "repeats": repeats, "reasoning": reasoning, "datasets": names,
                     "warmup": f"{bench.WARMUP_TOKENS} tokens per system on {bench.WARMUP_PROMPT!r}"}
         card = bench.card(machine=machine(), versions=versions(), models=loaded.models(),

@@ -68,21 +68,21 @@ def generate(base_url: str, api_key: str | None, model: str | None, text: str,
 
 
 def benchmark(base_url: str, api_key: str | None, model: str | None, dataset: str,
-              num_prompts: int, concurrency: int, sampling: dict, reasoning: str | None,
+              prompts: Path | None, num_prompts: int | None, concurrency: int, sampling: dict, reasoning: str | None,
               out: Path | None) -> None:
     """`benchmark --backend openai`: completion tokens/s at a concurrency, τ where reported."""
     from ..bench import runner as bench
     from .openai_client import OpenAIClient, run_benchmark, summarize
     from ..registry import reasoning_kwargs
 
-    if num_prompts < 1 or concurrency < 1:
-        raise InvalidArgumentError("--num-prompts and --concurrency must be at least 1")
-    names = bench.parse_datasets(dataset)
+    if concurrency < 1:
+        raise InvalidArgumentError("--concurrency must be at least 1")
+    metas, items = bench.select_prompts(dataset, prompts, num_prompts)
+    names = list(items)
     if out is not None:
         render.EventsWriter(out, "--out").close()  # fail now, not after the run
     # the first user turn of each item: the server's own answers would make turns 2+ differ
-    sets = {n: [_messages(turns[0], None) for turns in bench.load_prompts(n)[1][:num_prompts]]
-            for n in names}
+    sets = {n: [_messages(turns[0], None) for turns in found] for n, found in items.items()}
     client = OpenAIClient(base_url, api_key)
     runs = run_benchmark(client, sets, model=model, concurrency=concurrency, sampling=sampling,
                          template_kwargs=reasoning_kwargs(None, reasoning), progress=render.note)
@@ -91,8 +91,7 @@ def benchmark(base_url: str, api_key: str | None, model: str | None, dataset: st
     if out is not None:
         card = {"schema": REMOTE_CARD_SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "server": client.v1, "model": model,
-                "settings": {**sampling, "concurrency": concurrency, "num_prompts": num_prompts,
-                             "datasets": names, "reasoning": reasoning},
+                "settings": {**sampling, "concurrency": concurrency, "datasets": {n: {**metas[n], "used": len(v)} for n, v in sets.items()}, "reasoning": reasoning},
                 "results": rows}
         Path(out).write_text(json.dumps(card, indent=1, ensure_ascii=False))
         render.note(f"card written to {out}")
