@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+from pathlib import Path
 
 import numpy as np
 
 from dflash_mlx import load, tiny
-from dflash_mlx.bench.runner import DATASETS, load_prompts
+from dflash_mlx.bench.runner import DATASETS, load_prompt_file, load_prompts
 from dflash_mlx.models.config import build_target_layer_ids
 from dflash_mlx.train.data import _chat_ids, load_shards, self_distill_features
 from dflash_mlx.train.prompts import chat_prompts, stdlib_functions
@@ -71,8 +74,6 @@ def test_written_prompts_share_no_text_with_a_benchmark():
     """The hand-written fine-tuning prompts (scripts/prompts) are new problems in the benchmark
     families' formats: no 10-word run and no function name in common with a bundled item,
     once the shared instruction lines are taken out."""
-    import json
-    from pathlib import Path
 
     wrappers = ("Please reason step by step, and put your final answer within \\boxed{}.",
                 "Write a solution to the following problem and make sure that it passes the tests:",
@@ -109,3 +110,22 @@ def test_written_prompts_share_no_text_with_a_benchmark():
             assert not names(prompt) & bench_names, (path.name, prompt[:80])
     assert len(seen) == 1350
     assert families == {f: 270 for f in ("gsm", "math", "humaneval", "mbpp", "chat")}
+
+
+def test_unseen_set_is_frozen_and_shares_nothing_with_training_prompts():
+    """The reporting set stays the file its hash names, and no training prompt overlaps it."""
+    folder = Path(__file__).parent.parent / "scripts" / "prompts"
+    path = folder / "unseen-v1.jsonl"
+    documented = re.search(r"sha256 `([0-9a-f]{64})`", (folder / "README.md").read_text())[1]
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == documented
+    meta, items = load_prompt_file(path)
+    assert meta["items"] == len(items) >= 60
+
+    def runs(text, n=8):
+        words = re.findall(r"\w+", text.lower())
+        return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+    unseen = set().union(*(runs(t) for turns in items for t in turns))
+    for written in sorted(folder.glob("written-*.jsonl")):
+        for line in written.read_text().splitlines():
+            assert not runs(json.loads(line)["prompt"]) & unseen, written.name
