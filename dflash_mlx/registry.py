@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import stat
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -18,6 +20,7 @@ EMBEDDED = "embedded:"
 LOOKUP = "lookup"  # `--draft lookup`: draft-free speculation with the context lookup alone
 GEMMA = EMBEDDED + "gemma3-270m-q4_k_m"  # Gemma 3 270M base, from PyPI chunks (demo/gemma.py)
 DEFAULT_NAME = "smollm2-demo"
+DEFAULT_BLOCK = 5  # verify width without --block-size: MLX 4-bit matmuls lose efficiency wider
 KINDS = ("dflash", "dflash2")
 MAC64_BUDGET_GB = 48.0  # macOS lets the GPU wire about 75% of RAM
 # Engine features an entry may need (models.toml `needs`) that this version has.
@@ -31,7 +34,7 @@ class Entry:
     target: str
     draft: str | None = None
     kind: str = "dflash"
-    block_size: int = 5
+    block_size: int = DEFAULT_BLOCK  # the default verify width (`--block-size` overrides it)
     target_revision: str | None = None
     draft_revision: str | None = None
     reasoning_kwarg: str | None = None
@@ -63,41 +66,130 @@ class Spec:
     entry: Entry | None = None
 
 
-def _entry(raw: dict, source: Path) -> Entry:
-    known = {f.name for f in fields(Entry)}
-    bad = sorted(set(raw) - known)
+MAX_FILE = 1 << 20  # a registry is a few KB; a bigger "file" is the wrong path (or /dev/zero)
+TEXT = {"name", "target", "draft", "kind", "target_revision", "draft_revision",
+        "reasoning_kwarg", "reasoning_default", "notes"}
+LISTS = {"reasoning_levels", "needs"}
+SIZES = {"download_gb", "memory_gb"}
+
+
+def _entry(raw, source: Path, i: int) -> Entry:
+    """One [[model]] table, every field checked: one line naming the file, entry and field."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: model entry #{i} is not a table: write [[model]] tables")
     name = raw.get("name")
-    if bad or not name or not raw.get("target"):
-        what = f"unknown field(s) {', '.join(bad)}" if bad else "needs 'name' and 'target'"
-        raise ConfigError(f"{source}: model entry {name or '?'}: {what}")
+    where = f"{source}: model entry {name!r}" if isinstance(name, str) and name.strip() \
+        else f"{source}: model entry #{i}"
+    if bad := sorted(set(raw) - {f.name for f in fields(Entry)}):
+        raise ConfigError(f"{where}: unknown field(s) {_keys(bad)}")
+    for key in ("name", "target"):
+        if key not in raw:
+            raise ConfigError(f"{where}: needs '{key}'")
+        if not isinstance(raw[key], str) or not raw[key].strip() or not raw[key].isprintable():
+            raise ConfigError(f"{where}: {key} must be a non-empty line of text, got "
+                              f"{_toml(raw[key])}")
+    for key, value in raw.items():
+        if key in TEXT and not isinstance(value, str):
+            raise ConfigError(f"{where}: {key} must be a string, got {_toml(value)}")
+        if key in LISTS and not (isinstance(value, list)
+                                 and all(isinstance(v, str) for v in value)):
+            raise ConfigError(f"{where}: {key} must be a list of strings, got {_toml(value)}")
+        if key in SIZES and (isinstance(value, bool) or not isinstance(value, (int, float))
+                             or not 0 <= value < math.inf):
+            raise ConfigError(f"{where}: {key} must be a number of GB ≥ 0, got {_toml(value)}")
+    block = raw.get("block_size", Entry.block_size)
+    if isinstance(block, bool) or not isinstance(block, int) or block < 2:
+        raise ConfigError(f"{where}: block_size must be an integer ≥ 2 (the default verify "
+                          f"width), got {_toml(block)}")
     if raw.get("kind", "dflash") not in KINDS:
-        raise ConfigError(f"{source}: {name}: kind must be one of {', '.join(KINDS)}")
-    for key in ("reasoning_levels", "needs"):
-        if key in raw:
-            raw = {**raw, key: tuple(raw[key])}
-    return Entry(**raw)
+        raise ConfigError(f"{where}: kind must be one of {', '.join(KINDS)}, got "
+                          f"{_toml(raw['kind'])}")
+    levels, default = raw.get("reasoning_levels"), raw.get("reasoning_default")
+    if levels and default is not None and default not in levels:
+        raise ConfigError(f"{where}: reasoning_default {default!r} is not one of its "
+                          f"reasoning_levels")
+    return Entry(**{k: tuple(v) if k in LISTS else v for k, v in raw.items()})
+
+
+def _toml(value) -> str:
+    text = repr(value)  # repr: always one line
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _keys(keys) -> str:
+    return ", ".join(_toml(k) for k in keys)
 
 
 def read(path: Path) -> dict[str, Entry]:
+    """A file's entries by lower-case name (names match case-insensitively); any fault in the
+    file is one ConfigError line naming it. An empty file holds no entries."""
+    path = Path(path)
     try:
-        data = tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: model registry not found") from None
+        data = tomllib.loads(_text(path))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML ({e})") from None
-    return {e.name: e for e in (_entry(raw, path) for raw in data.get("model", []))}
+    except RecursionError:  # tomllib parses nested arrays recursively
+        raise ConfigError(f"{path}: invalid TOML (nested too deep)") from None
+    if bad := sorted(set(data) - {"model"}):
+        raise ConfigError(f"{path}: unknown top-level key(s) {_keys(bad)} (entries are "
+                          "[[model]] tables)")
+    raws = data.get("model", [])
+    if not isinstance(raws, list):
+        raise ConfigError(f"{path}: 'model' must be an array of tables: write [[model]]")
+    out: dict[str, Entry] = {}
+    for i, raw in enumerate(raws, 1):
+        e = _entry(raw, path, i)
+        if e.name.lower() in out:
+            raise ConfigError(f"{path}: model entry {e.name!r} appears twice (names match "
+                              "case-insensitively)")
+        out[e.name.lower()] = e
+    return out
 
 
 def entries() -> dict[str, Entry]:
-    """The bundled registry, with entries from $DFLASH_MLX_MODELS added or overriding."""
+    """The bundled registry, with entries from $DFLASH_MLX_MODELS added or overriding (by name,
+    case-insensitively); keyed by lower-case name."""
     out = read(BUNDLED)
     if extra := os.environ.get(USER_ENV):
-        out.update(read(Path(extra).expanduser()))
+        out.update(read(_user_path(extra)))
     return out
+
+
+def _user_path(value: str) -> Path:
+    try:
+        return Path(value).expanduser()
+    except RuntimeError:  # ~user with no such user: report the path as given
+        return Path(value)
 
 
 def find(name: str) -> Entry | None:
     return entries().get(name.lower())
+
+
+def _text(path: Path) -> str:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: model registry not found") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the model registry ({e.strerror})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"{path}: is a folder; the model registry is a TOML file")
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{path}: not a regular file; the model registry is a TOML file")
+    if st.st_size > MAX_FILE:
+        raise ConfigError(f"{path}: over {MAX_FILE >> 20} MiB, too big for a model registry")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the model registry ({e.strerror})") from None
+    start = 3 if data.startswith(b"\xef\xbb\xbf") else 0  # a BOM some editors write
+    try:
+        return data[start:].decode("utf-8")
+    except UnicodeDecodeError as e:
+        at = start + e.start
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{data[at]:02x} at offset {at}); "
+                          "TOML files are UTF-8") from None
 
 
 def _repo_of(target: str) -> str:

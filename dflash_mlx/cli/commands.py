@@ -44,6 +44,7 @@ def chat(
 
     prepare.check_sampling(max_tokens, temp, top_p, top_k, seed)
     prepare.check_load_options(draft_bits, weights, min_confidence)
+    prepare.check_arg_text(system_prompt, "--system-prompt")
     (requested,) = [1] if no_draft else prepare.parse_block_sizes(block_size, allow_list=False)
     settings = ChatSettings(block_size=requested if isinstance(requested, int) else 5,
                             temperature=temp, top_p=top_p, top_k=top_k, max_tokens=max_tokens,

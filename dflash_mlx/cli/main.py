@@ -73,6 +73,7 @@ def generate(
     from ..server import cli as server_cli
 
     sampling = prepare.check_sampling(max_tokens, temp, top_p, top_k, seed)
+    prepare.check_arg_text(system_prompt, "--system-prompt")
     if server_cli.is_remote(backend, base_url):
         if check_parity or events or verbose:
             raise InvalidArgumentError("--check-parity, --events and --verbose need the local "
@@ -345,6 +346,8 @@ def benchmark(
                                    "runs one stream)")
     spec = registry.resolve(model, draft)
     template_kwargs = registry.reasoning_kwargs(spec.entry, reasoning)
+    if block_size is None:  # the registry entry's
+        block_size = str(prepare.default_block(spec.entry))
     blocks = prepare.parse_block_sizes(block_size, allow_auto=False)
     if repeats < 1:
         raise InvalidArgumentError("--repeats must be at least 1")

@@ -16,7 +16,7 @@ from . import render, signals
 from ..errors import DFlashError
 
 DEFAULT_MAX_TOKENS = 256
-DEFAULT_BLOCK_SIZE = "5"
+DEFAULT_BLOCK_SIZE = None  # the registry entry's block_size, else registry.DEFAULT_BLOCK
 RICH_HELP_COLUMNS = 100
 
 
@@ -92,10 +92,10 @@ PadVerifyOpt = Annotated[bool, typer.Option(
     "--pad-verify/--no-pad-verify", help="On the CPU, run a verify pass at a wider width where "
     "this machine's BLAS does that faster (measured once, see `doctor`); the added rows are "
     "padding, never read.", rich_help_panel=M)]
-BlockSizeOpt = Annotated[str, typer.Option(
+BlockSizeOpt = Annotated[Optional[str], typer.Option(
     "--block-size", help="Verify width: the last token + B-1 drafted ones, 2..the draft's trained "
-    "size; or 'auto' (from the measured verify cost on this machine, see `doctor`).",
-    rich_help_panel=M)]
+    "size; or 'auto' (from the measured verify cost on this machine, see `doctor`). Default: the "
+    "models.toml entry's block_size, else 5.", rich_help_panel=M, show_default=False)]
 MaxTokensOpt = Annotated[int, typer.Option(help="Most tokens to generate.", rich_help_panel=S)]
 TempOpt = Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.", rich_help_panel=S)]
 TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].", rich_help_panel=S)]

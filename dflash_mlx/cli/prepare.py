@@ -15,6 +15,7 @@ from typing import Callable
 from .. import registry
 from ..errors import InvalidArgumentError
 from ..checks import check_sampling  # noqa: F401  (re-exported for the commands)
+from ..checks import check_text, decode_text
 from ..proposal import SpeculationConfig
 
 Say = Callable[[str], None] | None
@@ -68,8 +69,12 @@ def check_load_options(draft_bits: int | None, weights: str,
         raise InvalidArgumentError(f"--min-confidence must be in [0, 1], got {min_confidence}")
 
 
-def parse_block_sizes(text: str, allow_auto: bool = True, allow_list: bool = True) -> list[int | str]:
-    """`5`, `auto` or a list `3,5,8`. Sizes below 2 draft nothing: plain AR is --no-draft."""
+def parse_block_sizes(text: str | None, allow_auto: bool = True,
+                      allow_list: bool = True) -> list[int | str | None]:
+    """`5`, `auto` or a list `3,5,8`. Sizes below 2 draft nothing: plain AR is --no-draft.
+    None (no --block-size) stays None until the model is known (`choose_block`)."""
+    if text is None:
+        return [None]
     parts = [p.strip() for p in str(text).split(",")]
     if len(parts) > 1 and not allow_list:
         raise InvalidArgumentError(f"--block-size takes one size here (lists are for benchmark), "
@@ -92,18 +97,23 @@ def parse_block_sizes(text: str, allow_auto: bool = True, allow_list: bool = Tru
     return out
 
 
-def check_block_size(pair, block: int) -> None:
+def check_block_size(pair, block: int, what: str = "--block-size") -> None:
     if pair.draft is None:  # draft-free: the engine's own bound
         from ..checks import LOOKUP_MAX_BLOCK
 
         if block > LOOKUP_MAX_BLOCK:
             raise InvalidArgumentError(
-                f"--block-size {block} is above {LOOKUP_MAX_BLOCK}, the widest lookup block")
+                f"{what} {block} is above {LOOKUP_MAX_BLOCK}, the widest lookup block")
         return
     trained = pair.draft.config.block_size
     if block > trained:
         raise InvalidArgumentError(
-            f"--block-size {block} is above the draft's trained block size {trained}")
+            f"{what} {block} is above the draft's trained block size {trained}")
+
+
+def default_block(entry: registry.Entry | None) -> int:
+    """The block size without --block-size: the registry entry's, else the built-in one."""
+    return registry.DEFAULT_BLOCK if entry is None else entry.block_size
 
 
 def read_prompt(positional: str | None, option: str | None) -> str:
@@ -116,10 +126,26 @@ def read_prompt(positional: str | None, option: str | None) -> str:
             raise InvalidArgumentError("no prompt: pass PROMPT, --prompt TEXT, or - to read stdin")
         text = "-"
     if text == "-":
-        text = sys.stdin.read()
+        text = _read_stdin()
+    else:  # argv: Python decoded its bytes with surrogateescape
+        check_text(text, "the prompt", from_bytes=True)
     if not text.strip():
         raise InvalidArgumentError("the prompt is empty")
     return text
+
+
+def _read_stdin() -> str:
+    """stdin as UTF-8 whatever the locale, so a stray byte is named instead of raising."""
+    buffer = getattr(sys.stdin, "buffer", None)
+    if buffer is None:  # a text stream handed in by a caller (tests, embedding)
+        return check_text(sys.stdin.read(), "stdin", from_bytes=True)
+    return decode_text(buffer.read(), "stdin")
+
+
+def check_arg_text(value: str | None, option: str) -> None:
+    """A text option from argv (e.g. --system-prompt) must be UTF-8, like the prompt."""
+    if value is not None:
+        check_text(value, option, from_bytes=True)
 
 
 def open_pair(spec: registry.Spec, draft_bits: int | None, weights: str, say: Say = None,
@@ -229,11 +255,16 @@ def verify_pads(pair, loaded: Loaded, say: Say = None) -> dict[int, int]:
     return pads
 
 
-def choose_block(pair, loaded: Loaded, requested: int | str, say: Say = None) -> int:
+def choose_block(pair, loaded: Loaded, requested: int | str | None, say: Say = None) -> int:
     """The block size to run: 1 without a draft (unless draft-free), `auto` from the cached
-    cost curve."""
+    cost curve, None (no --block-size) from the registry entry (`default_block`)."""
     if pair.draft is None and not loaded.speculation.draft_free:
         return 1
+    if requested is None:
+        entry, block = loaded.spec.entry, default_block(loaded.spec.entry)
+        check_block_size(pair, block, "--block-size" if entry is None else
+                         f"registry entry {entry.name!r}: block_size")
+        return block
     if requested == "auto" and pair.draft is None:
         return DEFAULT_LOOKUP_BLOCK
     if requested == "auto":

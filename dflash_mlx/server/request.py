@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ..chat import apply_template
-from ..checks import MAX_SEED, encode_prompt
+from ..checks import MAX_SEED, check_text, decode_text, encode_prompt, is_text
 from ..errors import InvalidArgumentError
 
 MAX_BODY = 8 * 1024 * 1024
@@ -269,10 +269,16 @@ async def read_body(request: Request) -> bytes:
 
 
 def parse_body(raw: bytes) -> dict:
-    """The JSON object of a request body (run off the event loop: a big body takes a while)."""
+    """The JSON object of a request body (run off the event loop: a big body takes a while).
+
+    The body must be UTF-8 (RFC 8259) and every string in it valid Unicode: a lone surrogate
+    from a `\\ud800` escape is refused (it could not be tokenized nor echoed back as UTF-8).
+    """
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+        body = json.loads(decode_text(raw, "the request body"))
+    except InvalidArgumentError as e:
+        raise APIError(400, str(e)) from None
+    except ValueError as e:
         raise APIError(400, f"the request body is not valid JSON ({_short(str(e))})") from None
     except RecursionError:
         raise APIError(400, f"the request body nests deeper than {MAX_DEPTH} levels") from None
@@ -280,6 +286,7 @@ def parse_body(raw: bytes) -> dict:
         raise APIError(400, f"the request body nests deeper than {MAX_DEPTH} levels")
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    _check_strings(body)
     return body
 
 
@@ -293,6 +300,32 @@ def _shallow(obj) -> bool:
         children = node.values() if isinstance(node, dict) else node
         stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
     return True
+
+
+def _check_strings(body: dict) -> None:
+    """Every key and string in the body is valid Unicode, else a 400 saying where (walked
+    without recursion, like `_shallow`)."""
+    stack = [(body, "")]
+    while stack:
+        node, path = stack.pop()
+        for k, v in node.items() if isinstance(node, dict) else enumerate(node):
+            if isinstance(k, str) and not is_text(k):  # reported at its parent
+                _refuse(k, f"a key in {path or 'the request body'}", path)
+            if isinstance(v, str) and not is_text(v):
+                _refuse(v, _where(path, k), _where(path, k))
+            elif isinstance(v, (dict, list)):
+                stack.append((v, _where(path, k)))
+
+
+def _where(path: str, key) -> str:
+    return f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+
+
+def _refuse(text: str, what: str, path: str):
+    try:
+        check_text(text, _short(what))
+    except InvalidArgumentError as e:  # param: the top-level field, as OpenAI reports it
+        raise APIError(400, str(e), path.split(".")[0].split("[")[0] or None) from None
 
 
 def _short(value) -> str:
