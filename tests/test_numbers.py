@@ -28,7 +28,36 @@ CASES = [  # option, value, what the one line says
     ("--min-confidence", "-0.1", "--min-confidence must be in [0, 1]"),
     ("--block-size", "-4", "--block-size must be at least 2"),
     ("--block-size", str(10**30), "above the draft's trained block size"),
+    # values Click cannot parse: its usage errors are one line too
+    ("--max-tokens", "nan", "Invalid value for '--max-tokens'"),
+    ("--max-tokens", "1e3", "Invalid value for '--max-tokens'"),
+    ("--max-tokens", str(2**70) + ".5", "Invalid value for '--max-tokens'"),
+    ("--top-k", "inf", "Invalid value for '--top-k'"),
+    ("--seed", "-nan", "Invalid value for '--seed'"),
+    ("--temp", "hot", "Invalid value for '--temp'"),
+    ("--draft-bits", "nan", "Invalid value for '--draft-bits'"),
 ]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["generate", "hi", "--max-tokens"], "Option '--max-tokens' requires an argument"),
+    (["generate", "hi", "--no-such-flag"], "No such option: --no-such-flag"),
+    (["no-such-command"], "No such command 'no-such-command'"),
+    (["train-draft", "--steps", "x", "--out", "d"], "Invalid value for '--steps'"),
+    (["serve", "--port", "eighty"], "Invalid value for '--port'"),
+    (["doctor", "--seconds", "soon"], "Invalid value for '--seconds'"),
+])
+def test_usage_errors_are_one_line(argv, expected):
+    r = CliRunner().invoke(app, argv)
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0] and "--help" in lines[0], r.stderr
+    assert "Usage:" not in r.output and "Traceback" not in r.output
+
+
+def test_no_arguments_still_show_the_help():
+    r = CliRunner().invoke(app, [])
+    assert "Usage:" in r.output and "generate" in r.output
 
 
 @pytest.mark.parametrize("option, value, expected", CASES, ids=[f"{o}={v}" for o, v, _ in CASES])

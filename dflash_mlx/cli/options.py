@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import shutil
+import sys
 from typing import Annotated, Optional
 
 import typer
@@ -18,6 +19,29 @@ from ..errors import DFlashError
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_BLOCK_SIZE = None  # the registry entry's block_size, else registry.DEFAULT_BLOCK
 RICH_HELP_COLUMNS = 100
+
+
+class _Group(TyperGroup):
+    """Click's usage errors (a bad option value, an unknown option or command) as one line on
+    stderr and exit code 2, like every other bad input, instead of a usage block."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, False, **extra)
+        except typer.TyperException as e:  # click's ClickException and its usage errors
+            ctx = getattr(e, "ctx", None)
+            if ctx is not None and type(e).__name__ == "NoArgsIsHelpError":  # no arguments
+                typer.echo(ctx.get_help())
+                sys.exit(e.exit_code)
+            hint = f" (see `{ctx.command_path if ctx is not None else self.name} --help`)"
+            render.error(" ".join(e.format_message().split()) + hint)
+            sys.exit(getattr(e, "exit_code", 2))
+        except typer.Abort:
+            render.error("aborted")
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
 
 
 class App(typer.Typer):
@@ -54,6 +78,7 @@ class App(typer.Typer):
 
 app = App(
     name="dflash-mlx",
+    cls=_Group,
     help="Exact block-diffusion speculative decoding (DFlash) on MLX.",
     no_args_is_help=True,
     add_completion=False,
