@@ -17,8 +17,11 @@ stay quiet (the CLI's job).
 
 from __future__ import annotations
 
+import os
 import random
 import signal
+import stat
+import threading
 from contextlib import contextmanager
 
 import mlx.core as mx
@@ -45,6 +48,30 @@ def world() -> mx.distributed.Group | None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return group
+
+
+def end_with_launcher() -> None:
+    """End this rank when the launcher is gone, for a command that never ends by itself.
+
+    `mlx.launch` gives each local rank a pipe as stdin and holds its other end: when the
+    launcher is killed (SIGTERM on its pid alone), the pipe reads end-of-file, and a server
+    rank that lived on would keep its port and its peers. Ranks with another stdin (a
+    terminal, /dev/null: other launchers) are left alone."""
+    try:
+        if not stat.S_ISFIFO(os.fstat(0).st_mode):
+            return
+    except OSError:
+        return
+
+    def watch():
+        try:
+            while os.read(0, 65536):  # input the launcher forwards: serve reads none
+                pass
+        except OSError:
+            return
+        os.kill(os.getpid(), signal.SIGTERM)  # the default action, as `world` set it
+
+    threading.Thread(target=watch, name="dflash-launcher-watch", daemon=True).start()
 
 
 def is_speaker(group: mx.distributed.Group | None) -> bool:

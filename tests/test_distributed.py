@@ -45,11 +45,11 @@ def launch(args: list[str], **kw) -> subprocess.Popen:
     # stdin stays open (we hold the write end): at EOF the launcher's input loop spins and
     # starves the ranks; `communicate` would close a PIPE
     read, write = os.pipe()
+    kw = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **kw}
     proc = subprocess.Popen(
         [str(LAUNCH), "--backend", "ring", "-n", "2", "--starting-port", str(free_port()),
          "--python", sys.executable, *args],
-        stdin=read, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        start_new_session=True, **kw)
+        stdin=read, start_new_session=True, **kw)
     os.close(read)
     proc.hold = write
     return proc
@@ -233,3 +233,116 @@ def test_heads_the_ranks_cannot_split_are_refused(tmp_path):
                                         num_key_value_heads=3, head_dim=16)))
     with pytest.raises(ShardingUnsupportedError, match="3 attention heads, which 2 ranks"):
         shard(model, SimpleNamespace(size=lambda: 2))
+
+
+def test_a_served_generation_is_described_exactly():
+    """What rank 0 sends the other ranks: JSON that gives back the same ids, sampling and
+    speculation config (a seed up to 2**64-1, floats bit for bit, verify_pad's int keys)."""
+    from dflash_mlx.proposal import SpeculationConfig
+    from dflash_mlx.server.follower import _config, describe
+
+    conf = SpeculationConfig(block_size=5, min_confidence=0.1 + 0.2, verify_pad={3: 4, 5: 8},
+                             draft_window=64, fallback_after=16)
+    sampling = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "seed": 2**64 - 1,
+                "max_tokens": 24}
+    back = json.loads(json.dumps(describe([1, 2, 300], sampling, conf, 3)))
+    assert back["ids"] == [1, 2, 300] and back["sampling"] == sampling and back["session"] == 3
+    assert _config(back["config"]) == conf
+
+
+def _alive(pid: int) -> bool:
+    """Running (a rank orphaned by the launcher may stay a zombie where nothing reaps it)."""
+    ps = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True)
+    return bool(ps.stdout.strip()) and not ps.stdout.strip().startswith("Z")
+
+
+def _children(pid: int) -> list[int]:
+    ps = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True)
+    rows = (line.split() for line in ps.stdout.splitlines())
+    return [int(c) for c, p in rows if int(p) == pid]
+
+
+def test_serve_under_mlx_launch_answers_like_one_process(models, tmp_path):
+    """`serve` on two ranks: rank 0 answers what one process answers (greedy, seeded sampling,
+    streaming, a stop string, reused sessions, a client that hangs up mid-stream), and killing
+    the launcher alone ends both ranks."""
+    from support import server as ss
+
+    args = ["--model", models["qwen3"], "--draft", models["draft"], "--block-size", "5",
+            "--log-level", "warning"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    holder = socket.socket()  # the HTTP port, held until the launcher has picked the ring's
+    holder.bind((ss.HOST, 0))
+    port = holder.getsockname()[1]
+    log = tmp_path / "two.log"
+    with open(log, "w") as f:
+        try:
+            # `--`: else mlx.launch takes --host for its own --hosts
+            proc = launch(["--", "-m", "dflash_mlx.cli", "serve", *args, "--host", ss.HOST, "--port",
+                           str(port)], stdout=f, stderr=subprocess.STDOUT, env=env)
+        finally:
+            holder.close()
+    alone, ranks = ss.start(args, tmp_path / "one.log"), []
+    try:
+        two = ss.wait_ready(ss.Server(proc, port, log), 120)
+        one = ss.wait_ready(alone, 120)
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2 and all(map(_alive, ranks))
+
+        def same(body: dict, path: str = "/v1/completions") -> dict:
+            (s1, a), (s2, b) = one.post(path, body), two.post(path, body)
+            assert s1 == s2 == 200, (a, b)
+            assert a["choices"] == b["choices"] and a["usage"] == b["usage"]
+            return b
+
+        greedy = same({"prompt": "Hello there", "max_tokens": 24})
+        text = greedy["choices"][0]["text"]
+        assert greedy["usage"]["completion_tokens"] == 24 and len(text) > 8
+        # the second request reuses the session's prefix, on every rank alike
+        seeded = same({"prompt": "Hello there, friend", "max_tokens": 24, "temperature": 0.8,
+                       "seed": 7})
+        assert seeded["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        # a stop string: rank 0 alone sees it, and every rank stops at the same round
+        cut = same({"prompt": "Hello there", "max_tokens": 24, "stop": text[5:8]})
+        assert cut["choices"][0]["finish_reason"] == "stop"
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16,
+                "stream_options": {"include_usage": True}}
+        (s1, e1), (s2, e2) = one.events("/v1/chat/completions", chat), two.events(
+            "/v1/chat/completions", chat)
+        assert s1 == s2 == 200 and e2[-1] == "[DONE]"
+        # chunk by chunk, the same text, finish and usage (ids, times and timings aside)
+        strip = [[{k: v for k, v in e.items() if k not in ("id", "created", "speculation")}
+                  for e in events[:-1]] for events in (e1, e2)]
+        assert strip[0] == strip[1] and len(e2) > 3 and "usage" in strip[1][-1]
+
+        # no seed: rank 0 draws one for every rank (ranks that sampled apart would desync)
+        assert two.post("/v1/completions", {"prompt": "Hey", "max_tokens": 16,
+                                            "temperature": 0.8})[0] == 200
+        conn, resp = ss.open_stream(two, "/v1/completions", {"prompt": "Hey", "max_tokens": 1500})
+        for _ in range(4):  # generation is under way
+            assert resp.readline()
+        ss.hang_up(conn, resp)
+        ss.wait_for(lambda: (h := two.health())["cancelled"] == 1 and not h["running"], 60)
+        after = {"prompt": "Hello there, how", "max_tokens": 16}
+        assert two.post("/v1/completions", after)[1]["choices"] == \
+            one.post("/v1/completions", after)[1]["choices"]
+
+        os.kill(proc.pid, signal.SIGTERM)  # the launcher alone: its ranks must not live on
+        tic = time.monotonic()
+        while any(map(_alive, ranks)) and time.monotonic() - tic < 15:
+            time.sleep(0.1)
+        assert not any(map(_alive, ranks)), f"ranks outlived the launcher:\n{log.read_text()}"
+        with pytest.raises(OSError):
+            socket.create_connection((ss.HOST, port), timeout=2).close()
+    finally:
+        alone.stop()
+        for pid in ranks:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        os.close(proc.hold)
+    assert "Traceback" not in log.read_text()

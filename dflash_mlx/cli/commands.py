@@ -14,7 +14,7 @@ from .options import (
     ModelOpt, NoDraftOpt, ReasoningOpt, SeedOpt, SystemOpt, TempOpt, TopKOpt, TopPOpt, WeightsOpt,
     app,
 )
-from ..errors import DFlashError, InvalidArgumentError
+from ..errors import DFlashError
 
 
 @app.command()
@@ -89,15 +89,11 @@ def serve(
                                        rich_help_panel=S)] = 0,
 ):
     """Serve the pair over an OpenAI-compatible API: /v1/chat/completions, /v1/completions
-    (streaming or not), /v1/models, /health. One generation at a time, the rest queued."""
+    (streaming or not), /v1/models, /health. One generation at a time, the rest queued.
+    Under mlx.launch rank 0 serves and the target is sharded across the ranks."""
     from . import prepare
     from .. import registry
-    from ..distributed import world
     from ..server import cli as server_cli
-
-    if world() is not None:  # every rank would bind and answer on its own: refuse, in one line
-        raise InvalidArgumentError("serve does not run under mlx.launch yet: run it as one "
-                                   "process (generate runs distributed)")
 
     prepare.check_sampling(max_tokens, temp, top_p, top_k, None)
     (requested,) = [1] if no_draft else prepare.parse_block_sizes(block_size, allow_list=False)

@@ -12,6 +12,7 @@ or 5xx code; nothing a client sends ends the server. Beyond OpenAI's fields, res
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import os
@@ -297,6 +298,11 @@ def serve(worker: Worker, cfg: ServerConfig, sock: socket.socket, log_level: str
         def handle_exit(self, sig, frame):
             worker.cancel_all()  # open streams end at their next block, so shutdown is quick
             super().handle_exit(sig, frame)
+
+        def capture_signals(self):
+            if getattr(worker, "group", None) is not None:  # mlx.launch: a signal ends
+                return contextlib.nullcontext()  # every rank at once (distributed.world)
+            return super().capture_signals()
 
     worker.start()
     config = uvicorn.Config(create_app(worker, cfg), log_level=log_level,

@@ -11,7 +11,7 @@ from pathlib import Path
 import typer
 
 from ..cli import render
-from ..errors import InvalidArgumentError
+from ..errors import DFlashError, InvalidArgumentError
 
 BACKENDS = ("local", "openai")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -78,7 +78,6 @@ def benchmark(base_url: str, api_key: str | None, model: str | None, dataset: st
     if concurrency < 1:
         raise InvalidArgumentError("--concurrency must be at least 1")
     metas, items = bench.select_prompts(dataset, prompts, num_prompts)
-    names = list(items)
     if out is not None:
         render.EventsWriter(out, "--out").close()  # fail now, not after the run
     # the first user turn of each item: the server's own answers would make turns 2+ differ
@@ -101,8 +100,10 @@ def serve(spec, requested, *, draft_bits: int | None, weights: str, min_confiden
           lookup: bool, host: str, port: int,
           api_key: str | None, model_name: str | None, queue_size: int, log_level: str,
           defaults: dict) -> None:
-    """`serve`: bind, load the pair, then answer until Ctrl-C."""
+    """`serve`: bind, load the pair, then answer until Ctrl-C. Under mlx.launch rank 0 does
+    that while the other ranks follow its generations (`follower`)."""
     from ..cli import prepare
+    from ..distributed import end_with_launcher, world
     from .app import ServerConfig, bind, serve as run
     from .worker import Worker
 
@@ -118,10 +119,26 @@ def serve(spec, requested, *, draft_bits: int | None, weights: str, min_confiden
     if not 0 <= port <= 65535:
         raise InvalidArgumentError(f"--port must be between 0 and 65535, got {port}")
     prepare.check_load_options(draft_bits, weights, min_confidence)
+    group = world()
+    if group is not None and requested == "auto":  # per-rank timings would pick other widths
+        raise InvalidArgumentError("--block-size auto is not available under mlx.launch: "
+                                   "give a number")
+    if group is not None and group.rank() != 0:  # quiet: rank 0 speaks and serves
+        from .follower import follow
+
+        try:
+            pair, loaded = prepare.open_pair(spec, draft_bits, weights, None, min_confidence,
+                                             lookup, pad_verify=False)
+            prepare.choose_block(pair, loaded, requested)
+            end_with_launcher()
+            return follow(pair, group)
+        except RuntimeError as e:  # a collective failed: rank 0 ended, and said why
+            raise DFlashError(f"rank {group.rank()} stopped: {e}") from None
     sock = bind(host, port)
     try:
+        # no verify padding across ranks: it comes from this machine's timings
         pair, loaded = prepare.open_pair(spec, draft_bits, weights, render.progress,
-                                         min_confidence, lookup)
+                                         min_confidence, lookup, pad_verify=group is None)
         block = prepare.choose_block(pair, loaded, requested, render.note)
         config = prepare.speculation(pair, loaded, block, render.progress)
     except BaseException:
@@ -135,7 +152,14 @@ def serve(spec, requested, *, draft_bits: int | None, weights: str, min_confiden
     bound = sock.getsockname()[1]
     where = f"[{host}]" if ":" in host else host
     how = f"DFlash block {block}" if block > 1 else "plain autoregressive"
-    render.note(f"serving {model_id} ({how}) on http://{where}:{bound}/v1"
+    ranks = "" if group is None else f", target sharded over {group.size()} ranks"
+    render.note(f"serving {model_id} ({how}{ranks}) on http://{where}:{bound}/v1"
                 f"{' with an API key' if api_key else ''}; Ctrl-C stops")
-    run(Worker(pair, config, queue_size), cfg, sock,
-        log_level)
+    if group is None:
+        worker = Worker(pair, config, queue_size)
+    else:
+        from .follower import Leader
+
+        end_with_launcher()
+        worker = Leader(pair, config, group, queue_size)
+    run(worker, cfg, sock, log_level)

@@ -132,6 +132,8 @@ def speculation(stats: Stats, drafted: int, accepted: int, block_size: int) -> d
 class Worker:
     """Runs jobs one at a time on a dedicated thread, reusing one session's caches."""
 
+    group = None  # the mlx.distributed group under mlx.launch (`follower.Leader`)
+
     def __init__(self, pair, config: SpeculationConfig, queue_size: int = 64):
         if queue_size < 1:
             raise InvalidArgumentError(f"--queue-size must be at least 1, got {queue_size}")
@@ -147,6 +149,11 @@ class Worker:
 
     def _new_session(self) -> Session:
         return Session.new(self.pair, self.config)
+
+    def _generate(self, job: Job):
+        """The job's block events (under mlx.launch, `follower.Leader` runs them in step)."""
+        return stream_generate(self.pair, job.ids, self.config, session=self.session,
+                               **job.sampling)
 
     def start(self) -> "Worker":
         self.thread.start()
@@ -221,8 +228,7 @@ class Worker:
         stats, stop = Stats(), StopFilter(job.stop)
         drafted = accepted = 0
         finish = None
-        gen = stream_generate(self.pair, job.ids, self.config, session=self.session,
-                              **job.sampling)
+        gen = self._generate(job)
         try:
             for ev in gen:
                 stats.add(ev)
