@@ -207,7 +207,7 @@ def test_key_is_compared_as_the_client_sends_it():
 
 # -- property-based: any JSON body is prepared or refused with a 4xx, never anything else ------
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 SCALARS = (st.none() | st.booleans() | st.integers(-2**70, 2**70)
@@ -235,6 +235,7 @@ def pair(tiny):
 @settings(max_examples=300, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(body=BODY, chat=st.booleans())
+@example(body={"model": "\n"}, chat=True)  # an unknown model named by a control character
 def test_any_body_is_prepared_or_refused_with_4xx(pair, body, chat):
     import json
 

@@ -110,7 +110,7 @@ def settings(body: dict, cfg: ServerConfig) -> dict:
             raise APIError(400, f"'{name}' is not supported by this server", name)
     model = body.get("model")
     if model is not None and model not in (cfg.model_id, *cfg.aliases):
-        raise APIError(404, f"The model '{model}' does not exist: this server serves "
+        raise APIError(404, f"The model {_short(repr(model))} does not exist: this server serves "
                        f"'{cfg.model_id}'", "model", "model_not_found")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
