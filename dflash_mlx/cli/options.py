@@ -12,6 +12,7 @@ import sys
 from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperGroup
 
 from . import render, signals
 from ..errors import DFlashError
