@@ -147,10 +147,7 @@ def train_draft(
     """Train a DFlash draft for a target: self-distilled features, then block training."""
     from ..train import cli as train_cli
 
-    if model is None:
-        from ..registry import default_pair
-
-        model = str(default_pair(draft=False, progress=render.note)[0])
+    # no --model: the demo target, fetched only once every other option has been checked
     train_cli.run(model, out, features=features, prompts=prompts, max_tokens=max_tokens,
                   batch=batch, sampled_fraction=sampled_fraction, texts=text or [],
                   layers=layers, block_size=block_size, steps=steps, lr=lr, heldout=heldout,

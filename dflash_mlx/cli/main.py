@@ -251,13 +251,22 @@ def doctor(
         subject = (f"built-in random {shape}-shaped target ({pair.weights}) with a "
                    f"{pair.draft.config.num_hidden_layers}-layer DFlash draft")
     if remeasure:
-        gone = cost.forget(key if model is not None else None)
-        if say:
-            say(f"forgot {gone} cached verify-cost curve{'s' * (gone != 1)} of this machine")
+        try:
+            gone = cost.forget(key if model is not None else None)
+        except OSError as e:  # the cache is an optimisation: the report goes on without it
+            render.note(f"note: could not rewrite {cost.cache_file()} ({e.strerror or e})")
+        else:
+            if say:
+                say(f"forgot {gone} cached verify-cost curve{'s' * (gone != 1)} of this machine")
     if say:
         say(f"measuring verify cost on {subject} (widths 1..8, {repeats}+ rounds)...")
     curve = cost.measure(pair, context=context, repeats=repeats, progress=say, budget_s=seconds)
-    cost.store(key, curve)
+    try:
+        cached_in = cost.store(key, curve)
+    except OSError as e:
+        cached_in = None
+        render.note(f"note: could not cache the verify-cost timing in {cost.cache_file()} "
+                    f"({e.strerror or e})")
     rows = cost.plan(curve, tau, max_block=pair.draft.config.block_size if pair.draft else None)
     best = cost.recommend(rows)
     pads = curve.pads()
@@ -287,8 +296,9 @@ def doctor(
     verdict = ("speculation should pay" if best.speedup > 1 else
                "speculation is unlikely to pay at this τ; compare with --no-draft")
     render.out.print(f"Recommended block size: [bold]{best.block_size}[/] "
-                     f"(predicted {best.speedup:.2f}× at τ {tau:g}@5; {verdict}). "
-                     f"Cached for `--block-size auto` in {cost.cache_file()}", soft_wrap=True)
+                     f"(predicted {best.speedup:.2f}× at τ {tau:g}@5; {verdict})."
+                     + (f" Cached for `--block-size auto` in {cached_in}" if cached_in else ""),
+                     soft_wrap=True)
 
 
 @app.command()
@@ -374,7 +384,7 @@ def benchmark(
         card = bench.card(machine=machine(), versions=versions(), models=loaded.models(),
                           settings=settings, rows=rows, samples=bench.per_sample(samples, blocks),
                           datasets={n: {**metas[n], "items": len(sets[n])} for n in names})
-        Path(out).write_text(json.dumps(card, indent=1, ensure_ascii=False))
+        render.write_file(out, json.dumps(card, indent=1, ensure_ascii=False), "--out")
         render.note(f"card written to {out}")
 
 

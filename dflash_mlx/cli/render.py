@@ -6,6 +6,7 @@ Only the CLI calls this module; the engine never prints.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -103,10 +104,13 @@ def stats_lines(stats, peak_gb: float, block_size: int) -> list[str]:
 
 
 class EventsWriter:
-    """`--events FILE.jsonl`: one object per block, then one summary object."""
+    """`--events FILE.jsonl`: one object per block, then one summary object.
+
+    Each line is flushed as it is written; when the disk fills up, the file is cut back to its
+    last whole line and the run ends with one line (exit 2)."""
 
     def __init__(self, path: Path, flag: str = "--events"):
-        self.path = Path(path)
+        self.path, self.flag, self.lines, self.good = Path(path), flag, 0, 0
         try:
             self.f = open(self.path, "w", encoding="utf-8")
         except OSError as e:
@@ -119,11 +123,42 @@ class EventsWriter:
         self._write({"type": "summary", **data})
 
     def _write(self, obj: dict) -> None:
-        self.f.write(json.dumps(obj, ensure_ascii=False) + "\n")
-        self.f.flush()
+        line = json.dumps(obj, ensure_ascii=False) + "\n"
+        try:
+            self.f.write(line)
+            self.f.flush()
+        except OSError as e:
+            self._abandon()
+            raise InvalidArgumentError(
+                f"{self.flag} {self.path}: cannot write ({e.strerror or e}); the "
+                f"{self.lines} whole line{'s' * (self.lines != 1)} written before are kept"
+            ) from None
+        self.lines += 1
+        self.good += len(line.encode("utf-8"))  # bytes of whole lines: tell() fails on pipes
+
+    def _abandon(self) -> None:
+        try:  # closing flushes the rest of the line, which may fail again: it is dropped
+            self.f.close()
+        except OSError:
+            pass
+        try:
+            if self.path.is_file():
+                os.truncate(self.path, self.good)
+        except OSError:
+            pass
 
     def close(self) -> None:
         self.f.close()
+
+
+def write_file(path: Path, text: str, flag: str) -> None:
+    """Write an output file (a benchmark card) whole or not at all; a failure is one line."""
+    from ..files import write_atomic
+
+    try:
+        write_atomic(path, text)
+    except OSError as e:
+        raise InvalidArgumentError(f"{flag} {path}: cannot write ({e.strerror or e})") from None
 
 
 def parity(pair, p) -> None:

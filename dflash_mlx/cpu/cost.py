@@ -8,7 +8,7 @@ format, so they are measured here, not assumed, and cached per machine and model
 from __future__ import annotations
 
 import json
-import os
+import math
 import platform
 import time
 from dataclasses import asdict, dataclass
@@ -224,45 +224,78 @@ def cache_file() -> Path:
 
 
 def forget(key: str | None = None) -> int:
-    """Drop this machine's cached curve for `key` (None: every model); return how many."""
+    """Drop this machine's cached curve for `key` (None: every model); return how many.
+
+    Raises OSError when the cache cannot be rewritten."""
     path = cache_file()
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return 0
+    data = _read(path)
     mine = data.get(machine_key(), {})
     gone = [k for k in mine if key is None or k == key]
     for k in gone:
         del mine[k]
+    _measured.clear()
     if gone:
         _write(path, data)
     return len(gone)
 
 
 def cached(key: str) -> CostCurve | None:
-    try:
-        raw = json.loads(cache_file().read_text()).get(machine_key(), {}).get(key)
-        return CostCurve(**raw) if raw else None
-    except (OSError, ValueError, TypeError):
-        return None
+    """The stored curve for `key`; None if absent, unreadable or malformed (it is re-measured)."""
+    return _curve(_read(cache_file()).get(machine_key(), {}).get(key))
 
 
 def store(key: str, curve: CostCurve) -> Path:
+    """Add `curve` to the cache, atomically. Raises OSError when it cannot be written."""
     path = cache_file()
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = {}
+    data = _read(path)
     data.setdefault(machine_key(), {})[key] = asdict(curve)
     _write(path, data)
     return path
 
 
+def _read(path: Path) -> dict:
+    """The cache as {machine: {model: curve}}; {} for a missing, unreadable or foreign file."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):  # ValueError: half-written JSON, not UTF-8
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {m: v for m, v in data.items() if isinstance(v, dict)}
+
+
+def _curve(raw) -> CostCurve | None:
+    """A CostCurve from its JSON, or None unless every field is what `measure` writes: the
+    consumers index widths and compare costs without further checks."""
+    if not isinstance(raw, dict):
+        return None
+    try:
+        c = CostCurve(**raw)
+    except TypeError:
+        return None
+
+    def num(x, low=0.0):
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and low <= x < math.inf
+
+    lists = all(isinstance(v, list) for v in (c.widths, c.verify, c.draft))
+    if not (lists and len(c.widths) >= 2 and len(c.verify) == len(c.draft) == len(c.widths)):
+        return None
+    if c.widths != list(range(1, len(c.widths) + 1)):
+        return None
+    ok = (all(num(v, 1e-9) for v in c.verify) and all(d is None or num(d) for d in c.draft)
+          and num(c.step_ms, 1e-9) and num(c.spread) and isinstance(c.noisy, bool))
+    return c if ok else None
+
+
 def _write(path: Path, data: dict) -> None:
+    from ..files import write_atomic
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=1))  # never half a cache, even on a full disk
+
+
+# curves this process measured but could not store: not re-timed at every call
+_measured: dict[str, CostCurve] = {}
 
 
 def auto_block_size(pair: Pair, key: str, progress: Callable[[str], None] | None = None,
@@ -277,13 +310,22 @@ def auto_block_size(pair: Pair, key: str, progress: Callable[[str], None] | None
 
 def curve_for(pair: Pair, key: str, progress: Callable[[str], None] | None = None
               ) -> tuple[CostCurve, bool]:
-    """The cached cost curve of this machine and model, measured and stored on a miss."""
-    curve = cached(key)
+    """The cached cost curve of this machine and model, measured and stored on a miss.
+
+    The cache is an optimisation: when it cannot be read the curve is measured, and when it
+    cannot be written `progress` gets one line and the run goes on."""
+    curve = cached(key) or _measured.get(key)
     if curve is not None:
         return curve, True
     if progress:
         progress(f"timing verify cost once for this machine and model (up to ~{BUDGET_S:.0f} s; "
                  "cached after)")
     curve = measure(pair, progress=progress)
-    store(key, curve)
+    try:
+        store(key, curve)
+    except OSError as e:
+        _measured[key] = curve
+        if progress:
+            progress(f"note: could not cache the verify-cost timing in {cache_file()} "
+                     f"({e.strerror or e}); it is timed again next run")
     return curve, False

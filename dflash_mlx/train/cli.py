@@ -5,14 +5,18 @@ CLI-side code (it prints); the engine part is `data.py` and `trainer.py`.
 
 from __future__ import annotations
 
+import functools
+import math
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from ..errors import InvalidArgumentError
+from ..errors import DFlashError, InvalidArgumentError
 
 console = Console(stderr=True)
 
@@ -55,40 +59,126 @@ def write_vocab(draft, out: Path, shards, held, size: int, trained_through: bool
     cfg = draft.config
     batches = [BlockSampler(held, cfg.block_size, cfg.mask_token_id, 7).batch(8, 8)
                for _ in range(8)]
-    full, _ = heldout_tau(draft, batches, 5)
+    width = min(5, cfg.block_size)
+    full, _ = heldout_tau(draft, batches, width)
     draft.restrict_head(ids)
-    part, _ = heldout_tau(draft, batches, 5)
+    part, _ = heldout_tau(draft, batches, width)
     draft.restrict_head(None)
     console.print(f"draft_vocab.json: {len(ids)} ids cover {coverage:.2%} of target predictions; "
-                  f"held-out τ@5 full head {full:.3f}, restricted {part:.3f}")
+                  f"held-out τ@{width} full head {full:.3f}, restricted {part:.3f}")
 
 
-def run(model: str, out: Path, *, features: Path | None, prompts: int, max_tokens: int,
-        batch: int, sampled_fraction: float, texts: list[Path], layers: int, block_size: int,
-        steps: int, lr: float, heldout: int, resume: bool, seed: int, weights: str,
-        vocab: int = 8192, restricted_loss: bool = True, seqs: int = 2,
-        anchors: int = 24, init: Path | None = None, soft_labels: float = 0.0,
-        minutes: float = 0.0) -> None:
-    import mlx.core as mx
+def check_args(*, prompts: int, max_tokens: int, batch: int, sampled_fraction: float,
+               layers: int, block_size: int, steps: int, minutes: float, lr: float, seqs: int,
+               anchors: int, heldout: int, vocab: int, soft_labels: float, seed: int,
+               weights: str = "auto") -> None:
+    """Refuse every out-of-range setting before anything slow runs (NaN and inf included)."""
+    from ..cpu.policy import WEIGHT_POLICIES
 
-    from ..models.dflash import DFlashDraftModel
-    from ..utils import check_pair, load, load_draft
-    from .config import TrainConfig
-    from .trainer import new_draft_config, pick_mask_token, train
-    from .data import load_shards, split_heldout
+    at_least = {"--prompts": (prompts, 1), "--max-tokens": (max_tokens, 1), "--batch": (batch, 1),
+                "--layers": (layers, 1), "--block-size": (block_size, 2), "--steps": (steps, 1),
+                "--seqs": (seqs, 1), "--anchors": (anchors, 1), "--heldout": (heldout, 1),
+                "--vocab": (vocab, 0), "--seed": (seed, 0)}
+    for flag, (value, low) in at_least.items():
+        if value < low:
+            raise InvalidArgumentError(f"{flag} must be at least {low}, got {value}")
+    if seed >= 2**64:
+        raise InvalidArgumentError(f"--seed must be below 2**64, got {seed}")
+    if not (math.isfinite(lr) and 0 < lr <= 1):  # NaN fails every comparison: refused here
+        raise InvalidArgumentError(f"--lr {lr:g}: takes a finite learning rate above 0, at most 1")
+    if not (math.isfinite(minutes) and minutes >= 0):
+        raise InvalidArgumentError(f"--minutes {minutes:g}: takes a finite duration ≥ 0 "
+                                   "(0: no limit)")
+    for flag, value, what in (("--sampled-fraction", sampled_fraction, "a share"),
+                              ("--soft-labels", soft_labels, "a weight")):
+        if not 0 <= value <= 1:
+            raise InvalidArgumentError(f"{flag} {value:g}: takes {what} from 0 to 1")
+    if weights not in WEIGHT_POLICIES:
+        raise InvalidArgumentError(f"--weights must be one of {', '.join(WEIGHT_POLICIES)}, "
+                                   f"got {weights!r}")
 
-    if block_size < 2 or min(layers, steps, seqs, anchors) < 1:
-        raise InvalidArgumentError(
-            "--block-size must be ≥ 2; --layers, --steps, --seqs and --anchors ≥ 1")
-    if minutes < 0:
-        raise InvalidArgumentError(f"--minutes {minutes}: takes a duration ≥ 0 (0: no limit)")
-    if not 0 <= soft_labels <= 1:
-        raise InvalidArgumentError(f"--soft-labels {soft_labels}: takes a weight from 0 to 1")
+
+def _writable_folder(path: Path, flag: str) -> None:
+    """`path` is (or can be made) a folder that takes files: checked before anything slow."""
+    if path.exists() and not path.is_dir():
+        raise InvalidArgumentError(f"{flag} {path}: is a file, not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".probe.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise InvalidArgumentError(f"{flag} {path}: cannot write there ({e.strerror or e})"
+                                   ) from None
+
+
+def check_paths(out: Path, features: Path | None, texts: list[Path], init: Path | None,
+                resume: bool, steps: int) -> None:
+    """The input files exist, the output folders take files, and `--resume` has a checkpoint
+    to continue from."""
+    from .trainer import checkpoint_step
+
     for t in texts:
         if not t.is_file():
             raise InvalidArgumentError(f"--text {t}: no such file")
     if init is not None and not (Path(init) / "config.json").is_file():
         raise InvalidArgumentError(f"--init {init}: not a draft folder (no config.json)")
+    if out.exists() and not out.is_dir():
+        raise InvalidArgumentError(f"--out {out}: is a file, not a folder")
+    if resume:
+        done = checkpoint_step(out)
+        if done is None:
+            raise InvalidArgumentError(f"--resume: {out} holds no checkpoint to resume (no "
+                                       "trainer/state.json); leave out --resume to start afresh")
+        if done >= steps:
+            raise InvalidArgumentError(f"--resume: the checkpoint in {out} is at step {done}, "
+                                       f"--steps is {steps}: nothing left to train; raise --steps")
+    _writable_folder(out, "--out")
+    if features is not None and not list(Path(features).glob("shard_*.npz")):
+        _writable_folder(Path(features), "--features")  # to be built there
+
+
+def _os_errors_in_one_line(f):
+    """An OSError the checks did not foresee (a disk failing mid-run) is still one line."""
+    @functools.wraps(f)
+    def guarded(*args, **kwargs):
+        try:
+            return f(*args, **kwargs)
+        except OSError as e:
+            where = f"{e.filename}: " if e.filename else ""
+            raise DFlashError(f"{where}{e.strerror or e}") from None
+
+    return guarded
+
+
+@_os_errors_in_one_line
+def run(model: str | None, out: Path, *, features: Path | None, prompts: int, max_tokens: int,
+        batch: int, sampled_fraction: float, texts: list[Path], layers: int, block_size: int,
+        steps: int, lr: float, heldout: int, resume: bool, seed: int, weights: str,
+        vocab: int = 8192, restricted_loss: bool = True, seqs: int = 2,
+        anchors: int = 24, init: Path | None = None, soft_labels: float = 0.0,
+        minutes: float = 0.0) -> None:
+    """`train-draft`. A failure to write (a full disk) ends in one line, with what was
+    written kept: feature shards, the last checkpoint."""
+    check_args(prompts=prompts, max_tokens=max_tokens, batch=batch,
+               sampled_fraction=sampled_fraction, layers=layers, block_size=block_size,
+               steps=steps, minutes=minutes, lr=lr, seqs=seqs, anchors=anchors, heldout=heldout,
+               vocab=vocab, soft_labels=soft_labels, seed=seed, weights=weights)
+    check_paths(out, features, texts, init, resume, steps)
+    if model is None:
+        from ..registry import default_pair
+
+        model = str(default_pair(draft=False, progress=lambda m: console.print(
+            m, markup=False, highlight=False))[0])
+
+    import mlx.core as mx
+
+    from ..models.dflash import DFlashDraftModel
+    from ..utils import check_pair, load, load_draft
+    from .config import TrainConfig
+    from .trainer import TrainingStoppedError, new_draft_config, pick_mask_token, train
+    from .data import load_shards, split_heldout
+
     console.print(f"loading target {model}")
     pair = load(model, None, weights=weights)
     if init is not None:  # fine-tune: depth, block size, taps and mask come from the draft
@@ -104,8 +194,16 @@ def run(model: str, out: Path, *, features: Path | None, prompts: int, max_token
     features = features or out / "features"
     if not list(Path(features).glob("shard_*.npz")):
         tic = time.perf_counter()
-        n = build_features(pair, features, prompts=prompts, max_tokens=max_tokens, batch=batch,
-                           sampled_fraction=sampled_fraction, texts=texts, seed=seed)
+        try:
+            n = build_features(pair, features, prompts=prompts, max_tokens=max_tokens,
+                               batch=batch, sampled_fraction=sampled_fraction, texts=texts,
+                               seed=seed)
+        except OSError as e:  # shards are written whole or not at all: those written stay
+            kept = len(list(Path(features).glob("shard_*.npz")))
+            raise TrainingStoppedError(
+                f"cannot write features to {features} ({e.strerror or e}); the {kept} whole "
+                f"shard{'s' * (kept != 1)} written are kept (a rerun trains on them; empty the "
+                "folder to build them all again)") from None
         console.print(f"features: {n} tokens in {time.perf_counter() - tic:.0f}s → {features}")
     shards, held = split_heldout(load_shards(features), heldout)
     n_train = sum(len(s.tokens) for s in shards)
@@ -131,7 +229,8 @@ def run(model: str, out: Path, *, features: Path | None, prompts: int, max_token
                 print(f"soft labels: the rebuilt logits' argmax equals the stored prediction at "
                       f"{ev.soft_agreement:.2%} of held-out labels", file=sys.stderr, flush=True)
             info = (f"loss {ev.loss:.3f}  {ev.tokens_per_s:.0f} labels/s  "
-                    f"held-out τ@{tc.eval_block_size} {ev.heldout_walk_tau:.2f} decoding, "
+                    f"held-out τ@{min(tc.eval_block_size, block_size)} "
+                    f"{ev.heldout_walk_tau:.2f} decoding, "
                     f"{ev.heldout_tau:.2f} per block")
             bar.update(task, completed=ev.step, total=ev.total_steps, info=info)
             # a plain line per evaluation too, so logs keep the τ curve

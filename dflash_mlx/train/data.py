@@ -18,6 +18,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ..errors import TrainingDataError
+from ..files import write_atomic
 from ..models.target import Target
 
 def self_distill_features(target: Target, tokenizer, prompts: list[str], out_dir: Path, *,
@@ -142,7 +143,7 @@ class ShardWriter:
         self.index = len(list(self.out.glob("shard_*.npz")))
         self.shard_tokens, self.total = shard_tokens, 0
         self._reset()
-        (self.out / "features.json").write_text(json.dumps(
+        write_atomic(self.out / "features.json", json.dumps(
             {"tap_ids": target.tap_ids, "hidden_size": target.hidden_size}, indent=2))
 
     def _reset(self):
@@ -161,11 +162,11 @@ class ShardWriter:
     def flush(self):
         if len(self.starts) == 1:
             return
-        tmp = self.out / f".shard_{self.index:04d}.tmp.npz"
-        np.savez(tmp, tokens=np.concatenate(self.toks), preds=np.concatenate(self.preds),
-                 taps=np.concatenate(self.taps), starts=np.array(self.starts, dtype=np.int64),
-                 answers=np.array(self.answers, dtype=np.int64))
-        tmp.rename(self.out / f"shard_{self.index:04d}.npz")  # a shard is whole or absent
+        arrays = dict(tokens=np.concatenate(self.toks), preds=np.concatenate(self.preds),
+                      taps=np.concatenate(self.taps), starts=np.array(self.starts, dtype=np.int64),
+                      answers=np.array(self.answers, dtype=np.int64))
+        # a shard is whole or absent: a full disk never leaves half of one to load later
+        write_atomic(self.out / f"shard_{self.index:04d}.npz", lambda f: np.savez(f, **arrays))
         self.index += 1
         self._reset()
 

@@ -23,8 +23,8 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..models.dflash import DFlashDraftModel
-from ..errors import TrainingDataError
-from ..tiny import save_draft
+from ..errors import CheckpointError, DFlashError, InvalidArgumentError, TrainingDataError
+from ..files import write_all_atomic
 from .blocks import BlockSampler, packed_hidden
 from .config import TrainConfig
 from .data import FeatureShard
@@ -100,16 +100,64 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
 
 
+class TrainingStoppedError(DFlashError):
+    """Training stopped before its last step (a NaN loss, a full disk); the last good
+    checkpoint, if any, is kept as it was."""
+
+
+def checkpoint_step(out_dir: Path) -> int | None:
+    """The step of the checkpoint in `out_dir` (None: there is none). Raises CheckpointError
+    when its trainer state cannot be read."""
+    path = Path(out_dir) / "trainer" / "state.json"
+    if not path.exists():
+        return None
+    try:
+        state = json.loads(path.read_text())
+        step = state["step"]
+        if not (isinstance(step, int) and step >= 0 and isinstance(state["log"], list)):
+            raise ValueError(f"step {step!r}")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: cannot resume from it ({e}); start a new --out folder, "
+                              "or delete trainer/ to train it afresh") from None
+    return step
+
+
+def _kept(out: Path) -> str:
+    """What a stopped run leaves: the checkpoint on disk, if any."""
+    try:
+        step = checkpoint_step(out)
+    except CheckpointError:
+        step = None
+    if step is None:
+        return "nothing was saved"
+    return f"the checkpoint of step {step} in {out} is kept"
+
+
 def _save(draft, opt, step: int, out: Path, cfg: TrainConfig, log: list[dict]) -> Path:
-    # trainer state lives in a subfolder so the checkpoint folder itself is a plain draft
-    (out / "trainer").mkdir(parents=True, exist_ok=True)
-    save_draft(draft, out)
-    mx.save_safetensors(str(out / "trainer" / "optimizer.safetensors"),
-                        dict(tree_flatten(opt.state)))
+    """Write the draft and the trainer state, all files or none: a failure (a full disk) leaves
+    the previous checkpoint whole, and weights that are not finite are never written."""
+    weights = dict(tree_flatten(draft.parameters()))
+    if not mx.stack([mx.isfinite(w).all() for w in weights.values()]).all().item():
+        raise TrainingStoppedError(f"step {step}: the weights are no longer finite (NaN or inf), "
+                                   f"so training stopped; {_kept(out)}; try a lower --lr")
+    if hasattr(draft, "checkpoint_weights"):  # DFlash2: codebooks are stored without `.weight`
+        weights = draft.checkpoint_weights(weights)
+    optimizer = dict(tree_flatten(opt.state))
     state = {"step": step, "train_config": asdict(cfg), "log": log}
-    tmp = out / "trainer" / "state.json.tmp"
-    tmp.write_text(json.dumps(state, indent=1))
-    tmp.replace(out / "trainer" / "state.json")
+    # trainer state lives in a subfolder so the checkpoint folder itself is a plain draft
+    files = {
+        out / "model.safetensors":
+            lambda f: mx.save_safetensors(f, weights, metadata={"format": "mlx"}),
+        out / "config.json": json.dumps(draft.config.to_dict(), indent=2),
+        out / "trainer" / "optimizer.safetensors": lambda f: mx.save_safetensors(f, optimizer),
+        out / "trainer" / "state.json": json.dumps(state, indent=1),  # renamed last
+    }
+    try:
+        (out / "trainer").mkdir(parents=True, exist_ok=True)
+        write_all_atomic(files)
+    except OSError as e:
+        raise TrainingStoppedError(f"could not save the checkpoint of step {step} in {out} "
+                                   f"({e.strerror or e}); {_kept(out)}") from None
     return out
 
 
@@ -128,6 +176,8 @@ def train(draft: DFlashDraftModel, train_shards: list[FeatureShard],
 
     `tail` (a `soft.TargetTail`) is needed when `cfg.soft_labels` > 0.
     """
+    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
+        raise InvalidArgumentError(f"learning rate {cfg.lr}: takes a finite number above 0")
     dc = draft.config
     B = dc.block_size
     sampler = BlockSampler(train_shards, B, dc.mask_token_id, cfg.seed)
@@ -151,14 +201,12 @@ def train(draft: DFlashDraftModel, train_shards: list[FeatureShard],
                 "without them")
     opt = optim.AdamW(learning_rate=cfg.lr, weight_decay=cfg.weight_decay)
     start, log = 0, []
-    if resume and (out_dir / "trainer" / "state.json").exists():
-        state = json.loads((out_dir / "trainer" / "state.json").read_text())
-        start, log = state["step"], state["log"]
-        draft.load_weights(str(out_dir / "model.safetensors"))
-        opt.init(draft.trainable_parameters())
-        opt.state = tree_unflatten(list(mx.load(str(out_dir / "trainer" / "optimizer.safetensors")).items()))
+    if resume:
+        start, log = _resume(draft, opt, out_dir)
     loss_and_grad = nn.value_and_grad(draft, block_loss)
-    cfg = replace(cfg)  # `minutes` may shorten the schedule; the caller's config stays as given
+    # `minutes` may shorten the schedule; the caller's config stays as given. A draft trained
+    # narrower than the evaluation width is scored at its own width.
+    cfg = replace(cfg, eval_block_size=min(cfg.eval_block_size, B))
     limit = cfg.steps
     began = tic = time.perf_counter()
     labels_seen, losses, timed = 0, [], None
@@ -172,9 +220,15 @@ def train(draft: DFlashDraftModel, train_shards: list[FeatureShard],
             batch = _in_rows(next(batches), rows)
             soft = soft_targets(tail, draft, batch) if cfg.soft_labels > 0 else None
             loss, grads = loss_and_grad(draft, *batch, weights, soft, cfg.soft_labels)
-            grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
+            grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip)
+            mx.eval(loss, norm)
+            # checked before the update: a NaN never reaches the weights
+            if not (math.isfinite(loss.item()) and math.isfinite(norm.item())):
+                raise TrainingStoppedError(
+                    f"step {step + 1}: the loss is {loss.item()} (gradient norm {norm.item()}), "
+                    f"so training stopped; {_kept(out_dir)}; try a lower --lr")
             opt.update(draft, grads)
-            mx.eval(draft.parameters(), opt.state, loss)
+            mx.eval(draft.parameters(), opt.state)
             losses.append(loss.item())
             labels_seen += batch[0].shape[0] * (B - 1)
             step = done = step + 1
@@ -193,6 +247,25 @@ def train(draft: DFlashDraftModel, train_shards: list[FeatureShard],
                 yield ev
     finally:  # stops the prefetch thread, also when the caller stops early
         batches.close()
+
+
+def _resume(draft, opt, out_dir: Path) -> tuple[int, list]:
+    """Load the checkpoint in `out_dir` into `draft` and `opt`; (its step, its log)."""
+    step = checkpoint_step(out_dir)
+    if step is None:
+        raise CheckpointError(f"--resume: {out_dir} holds no checkpoint to resume (no "
+                              "trainer/state.json); leave out --resume to start afresh")
+    log = json.loads((out_dir / "trainer" / "state.json").read_text())["log"]
+    try:
+        draft.load_weights(str(out_dir / "model.safetensors"))
+        opt.init(draft.trainable_parameters())
+        state = mx.load(str(out_dir / "trainer" / "optimizer.safetensors"))
+        opt.state = tree_unflatten(list(state.items()))
+    except (OSError, ValueError, RuntimeError) as e:  # missing, truncated, another shape
+        raise CheckpointError(f"--resume: the checkpoint in {out_dir} cannot be loaded "
+                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                              ) from None
+    return step, log
 
 
 # steps skipped before timing (the first compile kernels), then steps timed
