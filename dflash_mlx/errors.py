@@ -31,3 +31,8 @@ class TrainingDataError(DFlashError, ValueError):
 
 class SpeculationUnsupportedError(DFlashError):
     """The target keeps a cache the engine cannot roll back exactly: only plain AR can run."""
+
+
+class TrainingStoppedError(DFlashError):
+    """Training stopped before its last step (a NaN loss, a full disk); the last good
+    checkpoint, if any, is kept as it was."""

@@ -23,7 +23,8 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..models.dflash import DFlashDraftModel
-from ..errors import CheckpointError, DFlashError, InvalidArgumentError, TrainingDataError
+from ..errors import (CheckpointError, InvalidArgumentError, TrainingDataError,
+                      TrainingStoppedError)
 from ..files import write_all_atomic
 from .blocks import BlockSampler, packed_hidden
 from .config import TrainConfig
@@ -98,11 +99,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.lr * (step + 1) / cfg.warmup
     t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
-
-
-class TrainingStoppedError(DFlashError):
-    """Training stopped before its last step (a NaN loss, a full disk); the last good
-    checkpoint, if any, is kept as it was."""
 
 
 def checkpoint_step(out_dir: Path) -> int | None:
