@@ -36,6 +36,17 @@ def write_all_atomic(files: dict[Path, Data]) -> None:
             Path(tmp).unlink(missing_ok=True)
 
 
+def make_writable_folder(folder: str | os.PathLike) -> Path:
+    """Create `folder` if need be and prove it takes a file (OSError if not): checked before
+    slow work that would write there, not after it."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=folder, prefix=".probe.")
+    os.close(fd)
+    os.unlink(probe)
+    return folder
+
+
 def _stage(path: Path, data: Data) -> str:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

