@@ -350,6 +350,7 @@ async def test_bad_model_shows_the_error_in_the_app():
         assert app.query_one(PromptInput).read_only  # nothing to chat with
         await pilot.press("enter")  # still alive, no crash
     assert app.return_code in (0, None)
+    assert app.load_error == "nowhere: no such file or folder"  # run_chat says it, exits 2
 
 
 @pytest.mark.asyncio

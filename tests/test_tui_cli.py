@@ -71,3 +71,42 @@ def test_loader_raises_typed_errors_for_the_app_to_show(tmp_path):
     loader = launch.registry_loader(ChatSettings(), model=str(tmp_path / "nope"))
     with pytest.raises(ModelNotFoundError):
         loader(lambda msg: None)
+
+
+@pytest.mark.parametrize("argv, env, expected", [
+    (["chat", "--model", "no-such-model-xyz"], {}, "unknown model 'no-such-model-xyz'"),
+    (["chat", "--model", "my-pair"], {"DFLASH_MLX_MODELS": "/no/such/models.toml"},
+     "model registry not found"),
+    (["chat", "--model", "qwen3.8-27b", "--reasoning", "high"], {}, "--reasoning must be"),
+])
+def test_chat_refuses_a_bad_model_before_the_app_starts(captured, monkeypatch, argv, env,
+                                                        expected):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    result = runner.invoke(cli.app, argv)
+    assert result.exit_code == 2 and not captured, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0]
+
+
+@pytest.mark.parametrize("load_error, return_code, code", [
+    ("nowhere: no such file", None, 2), (None, None, 0), (None, 130, 130),
+])
+def test_run_chat_ends_with_2_and_the_reason_when_the_pair_never_loaded(
+        monkeypatch, capsys, load_error, return_code, code):
+    import tui.app
+
+    class App:
+        def __init__(self, **kwargs):
+            self.load_error, self.return_code = None, None
+
+        def run(self):
+            self.load_error, self.return_code = load_error, return_code
+
+    ended = []
+    monkeypatch.setattr(tui.app, "ChatApp", App)
+    monkeypatch.setattr(launch.os, "_exit", ended.append)
+    launch.run_chat(ChatSettings(), loader=None)
+    assert ended == [code]
+    err = capsys.readouterr().err
+    assert err == (f"error: {load_error}\n" if load_error else "")

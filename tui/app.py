@@ -98,6 +98,7 @@ class ChatApp(ChatActions, App[None]):
         self.memory = memory or peak_memory
         self.conversation: Conversation | None = None
         self.speculation = None  # the loader's SpeculationConfig (None: the pair's defaults)
+        self.load_error: str | None = None  # why the pair did not load, if it did not
         self.transcript = tr.Transcript()
         self.turns: list[dict] = []
         self.history: deque[int] = deque(maxlen=HISTORY)
@@ -144,6 +145,7 @@ class ChatApp(ChatActions, App[None]):
     def _load_failed(self, view: LoadingView, exc: Exception) -> None:
         self.end_capture_print(view)
         title, message = describe_error(exc)
+        self.load_error = message  # said again on the terminal after quitting (exit 2)
         view.fail(title, message)
         self.notify(message, title=title, severity="error", timeout=30)
         self._show_status("load failed")

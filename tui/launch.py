@@ -59,6 +59,11 @@ def run_chat(settings: ChatSettings, loader: Callable, *, resume: bool = False,
 
     app = ChatApp(loader=loader, settings=settings, resume=resume, baseline_tps=baseline_tps)
     app.run()
+    code = app.return_code or 0
+    failed = app.load_error
+    if failed and not code:  # the pair never loaded: the terminal keeps the reason, exit 2
+        sys.stderr.write(f"error: {failed}\n")
+        code = 2
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(app.return_code or 0)
+    os._exit(code)

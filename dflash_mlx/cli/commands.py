@@ -41,11 +41,14 @@ def chat(
     from tui.settings import ChatSettings
 
     from . import prepare
+    from .. import registry
 
     prepare.check_sampling(max_tokens, temp, top_p, top_k, seed)
     prepare.check_load_options(draft_bits, weights, min_confidence)
     prepare.check_arg_text(system_prompt, "--system-prompt")
     (requested,) = [1] if no_draft else prepare.parse_block_sizes(block_size, allow_list=False)
+    # a bad name or registry file: one line before the app starts (the loader resolves again)
+    registry.reasoning_kwargs(registry.resolve(model, draft, no_draft).entry, reasoning)
     settings = ChatSettings(block_size=requested if isinstance(requested, int) else 5,
                             temperature=temp, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                             seed=seed, reasoning=reasoning, system_prompt=system_prompt)
