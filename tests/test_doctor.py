@@ -85,11 +85,11 @@ def test_measure_repeats_until_the_timings_agree_or_the_budget_ends():
     assert len(rounds) == 2 and not c.noisy and c.spread >= 0
     c, rounds = _rounds(repeats=3, spread=agree)
     assert len(rounds) == 3
-    c, rounds = _rounds(repeats=1, spread=-1.0, budget_s=0.0)  # never agree, no time: 2 rounds
-    assert len(rounds) == 2 and c.noisy and c.pads() == {}
+    c, rounds = _rounds(repeats=1, spread=-1.0, budget_s=0.0)  # no time: one timed round
+    assert len(rounds) == 1 and c.noisy and c.pads() == {}
     assert c.verify == sorted(c.verify)  # too noisy to trust a cheaper wider pass
     c, rounds = _rounds(repeats=1, spread=-1.0, budget_s=0.3)
-    assert 2 <= len(rounds) <= cost.MAX_ROUNDS and c.noisy
+    assert 1 <= len(rounds) <= cost.MAX_ROUNDS and c.noisy
     assert "rounds agree within" in rounds[-1]
 
 
