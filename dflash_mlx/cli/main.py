@@ -102,7 +102,9 @@ def generate(
     block = prepare.choose_block(pair, loaded, requested, None if quiet else render.note)
     ids = prepare.prompt_ids(pair, text, system_prompt, template_kwargs, not no_chat_template)
     config = prepare.speculation(pair, loaded, block, _say(quiet))
-    stats, tokens, interrupted, peak = _stream(pair, ids, config, sampling, writer, verbose)
+    config = config.replace(tree=tree)
+    stats, tokens, interrupted, peak = _stream(pair, ids, config, sampling, writer, verbose,
+                                               notes=is_speaker(group))
     if not quiet:
         for line in render.stats_lines(stats, peak, block):
             render.err.print(line, soft_wrap=True, markup=False)
@@ -130,8 +132,9 @@ def generate(
         raise typer.Exit(1)
 
 
-def _stream(pair, ids, config, sampling, writer, verbose):
-    """Stream blocks to stdout; Ctrl-C stops at a block boundary with the caches intact."""
+def _stream(pair, ids, config, sampling, writer, verbose, notes=True):
+    """Stream blocks to stdout; Ctrl-C stops at a block boundary with the caches intact.
+    `notes`: say the engine's notes (under mlx.launch rank 0 alone does)."""
     import mlx.core as mx
 
     from ..generate import stream_generate
@@ -150,7 +153,7 @@ def _stream(pair, ids, config, sampling, writer, verbose):
                 writer.block(i, ev)
             if verbose:
                 out.side_note(render.block_line(i, ev))
-            if ev.note:  # e.g. the switch to plain AR when the draft accepts nothing
+            if ev.note and notes:  # e.g. the switch to plain AR when the draft accepts nothing
                 out.side_note(f"note: {ev.note}")
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (signals.py)
         signals.settle()  # a second one must not cut the cleanup or the stats short
