@@ -102,7 +102,6 @@ def generate(
     block = prepare.choose_block(pair, loaded, requested, None if quiet else render.note)
     ids = prepare.prompt_ids(pair, text, system_prompt, template_kwargs, not no_chat_template)
     config = prepare.speculation(pair, loaded, block, _say(quiet))
-    config = config.replace(tree=tree)
     stats, tokens, interrupted, peak = _stream(pair, ids, config, sampling, writer, verbose,
                                                notes=is_speaker(group))
     if not quiet:
