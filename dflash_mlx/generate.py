@@ -24,6 +24,7 @@ from .checks import _check_args, _check_seed, encode_prompt
 from .errors import InvalidArgumentError
 from .proposal import SpeculationConfig, draft_block, lookup_block
 from .sample_utils import SamplingParams, greedy_accept, rejection_sample_device, sampling_probs
+from .tree_round import tree_budget, tree_round
 
 
 def prefill_step() -> int:
@@ -72,6 +73,8 @@ class BlockEvent:
     trimmed: int = 0  # drafted slots cut before verification for low draft confidence
     lookup_flags: list[bool] = field(default_factory=list)  # per drafted slot: from context lookup
     note: str | None = None  # a one-line notice for the user (e.g. the switch to plain AR)
+    tree_nodes: int = 0  # a tree round (SpeculationConfig.tree): nodes verified besides slot 0
+    branch_tokens: int = 0  # ... accepted tokens that came off the draft's argmax path
 
     @property
     def acceptance_length(self) -> int:
@@ -245,6 +248,16 @@ def stream_generate(
     mask_id = pair.draft.config.mask_token_id if speculate and not lookup_only else None
     watch = (guards.AcceptanceWatch(config.fallback_after)
              if speculate and config.fallback_after else None)
+    tree, note = tree_budget(pair, config, lookup_only)  # the note goes on the first event
+
+    def stop(new: list[int]) -> tuple[list[int], str | None]:
+        """`new` cut after an EOS or at max_tokens, and the finish reason."""
+        for i, t in enumerate(new):
+            if t in eos:
+                return new[: i + 1], "stop"
+        if produced + len(new) >= max_tokens:
+            return new[: max_tokens - produced], "length"
+        return new, None
 
     tic = time.perf_counter()
     n_prompt, n_reused = prefill(pair, session, ids)
@@ -259,86 +272,86 @@ def stream_generate(
             width = min(block_size, max_tokens - produced)
             last = session.tokens[-1]
             base = len(session.tokens) - 1  # target cache length before this round
-            tokens, q, hint, note = none, None, None, None
+            tokens, q, hint, rnd = none, None, None, None
             tic = time.perf_counter()
-            if width > 1 and lookup_only:
-                tokens, hint = lookup_block(session.tokens, width - 1)
-            elif width > 1:
-                block = mx.array([[last] + [mask_id] * (width - 1)])
-                draft_len = session.draft_cache[0].offset
-                dkey = None
-                if not params.greedy:  # DFlash 2's selector samples its path (v1 ignores both)
-                    key, dkey = mx.random.split(key)
-                try:
-                    tokens, q, hint = draft_block(
-                        pair.draft, block, session.pending, session.draft_cache, config,
-                        session.tokens, params=params, key=dkey,
-                    )
-                    tokens = tokens.astype(mx.int32)
-                    # the drafted ids stay on the device; on a GPU the draft runs while the
-                    # verify pass is being built
-                    mx.async_eval(tokens)
-                    session.pending = None
-                except BaseException:
-                    _truncate_draft(session.draft_cache, draft_len)
-                    raise
-            # without the lookup or the cut nothing waits for the draft here, so this is the
-            # time to launch it, and verify_s holds the rest of the round
-            draft_s = time.perf_counter() - tic
+            if width > 1 and tree:  # DDTree: one draft pass, one verify pass over a tree
+                key, sub = mx.random.split(key)
+                rnd = tree_round(pair, session, config, width, params, sub, stop)
+                new, finish, drafted, accepted = rnd.tokens, rnd.finish, rnd.drafted, rnd.accepted
+                draft_s, verify_s, hint = rnd.draft_s, rnd.verify_s, rnd.hint
+            else:  # one path: the draft's block (or the lookup's), verified in one pass
+                if width > 1 and lookup_only:
+                    tokens, hint = lookup_block(session.tokens, width - 1)
+                elif width > 1:
+                    block = mx.array([[last] + [mask_id] * (width - 1)])
+                    draft_len = session.draft_cache[0].offset
+                    dkey = None
+                    if not params.greedy:  # DFlash 2's selector samples its path (v1 ignores both)
+                        key, dkey = mx.random.split(key)
+                    try:
+                        tokens, q, hint = draft_block(
+                            pair.draft, block, session.pending, session.draft_cache, config,
+                            session.tokens, params=params, key=dkey,
+                        )
+                        tokens = tokens.astype(mx.int32)
+                        # the drafted ids stay on the device; on a GPU the draft runs while the
+                        # verify pass is being built
+                        mx.async_eval(tokens)
+                        session.pending = None
+                    except BaseException:
+                        _truncate_draft(session.draft_cache, draft_len)
+                        raise
+                # without the lookup or the cut nothing waits for the draft here, so this is the
+                # time to launch it, and verify_s holds the rest of the round
+                draft_s = time.perf_counter() - tic
 
-            tic = time.perf_counter()
-            committed = base  # what the target cache may keep; grows only on success
-            try:
-                n = tokens.shape[0]
-                w = n + 1
-                # rows past the block only pad the pass to a width the BLAS runs faster; their
-                # logits are never read and the `finally` below drops their cache entries
-                pad = config.width(w) - w
-                verify = [mx.array([last], mx.int32), tokens, mx.full((pad,), last, mx.int32)]
-                logits, taps = pair.target(
-                    # taps whenever a draft shares this session, so an AR turn keeps its context
-                    mx.concatenate(verify)[None], session.target_cache,
-                    taps=session.draft_cache is not None
-                )
-                logits = logits[0, :w]
-                finite = guards.logits_ok(logits)  # a broken checkpoint fails loud, not silent
-                if params.greedy:
-                    answer = mx.argmax(logits, axis=-1).astype(mx.int32)
-                else:
-                    key, sub = mx.random.split(key)
-                    answer = rejection_sample_device(tokens, sampling_probs(logits, params),
-                                                     q, sub)
-                # the round's one host sync: the drafted ids and the target's answer together
-                host = mx.concatenate([tokens, answer, finite.astype(mx.int32)[None]]).tolist()
-                guards.check_logits(host.pop(), pair.target_id)
-                drafted, answer = host[:n], host[n:]
-                if params.greedy:
-                    accepted, nxt = greedy_accept(drafted, answer)
-                else:
-                    accepted, nxt = answer
-                new = drafted[:accepted] + [nxt]
-                finish = None
-                for i, t in enumerate(new):
-                    if t in eos:
-                        new, finish = new[: i + 1], "stop"
-                        break
-                if finish is None and produced + len(new) >= max_tokens:
-                    new, finish = new[: max_tokens - produced], "length"
-                    if capped:
-                        note = f"stopped at the model's context ({limit} tokens)"
-                session.tokens.extend(new)
-                committed = len(session.tokens) - 1
-                if taps is not None:
-                    # a width-1 round drafts nothing, so earlier pending rows may still wait
-                    new_rows = taps[:, : committed - base]
-                    session.pending = (new_rows if session.pending is None
-                                       else mx.concatenate([session.pending, new_rows], axis=1))
-            finally:
-                # Positions past `committed` hold rejected drafts (or a half-done pass): drop them.
-                pair.target.truncate(session.target_cache, committed)
-            verify_s = time.perf_counter() - tic
+                tic = time.perf_counter()
+                committed = base  # what the target cache may keep; grows only on success
+                try:
+                    n = tokens.shape[0]
+                    w = n + 1
+                    # rows past the block only pad the pass to a width the BLAS runs faster; their
+                    # logits are never read and the `finally` below drops their cache entries
+                    pad = config.width(w) - w
+                    verify = [mx.array([last], mx.int32), tokens, mx.full((pad,), last, mx.int32)]
+                    logits, taps = pair.target(
+                        # taps whenever a draft shares this session, so an AR turn keeps its context
+                        mx.concatenate(verify)[None], session.target_cache,
+                        taps=session.draft_cache is not None
+                    )
+                    logits = logits[0, :w]
+                    finite = guards.logits_ok(logits)  # a broken checkpoint fails loud, not silent
+                    if params.greedy:
+                        answer = mx.argmax(logits, axis=-1).astype(mx.int32)
+                    else:
+                        key, sub = mx.random.split(key)
+                        answer = rejection_sample_device(tokens, sampling_probs(logits, params),
+                                                         q, sub)
+                    # the round's one host sync: the drafted ids and the target's answer together
+                    host = mx.concatenate([tokens, answer, finite.astype(mx.int32)[None]]).tolist()
+                    guards.check_logits(host.pop(), pair.target_id)
+                    drafted, answer = host[:n], host[n:]
+                    if params.greedy:
+                        accepted, nxt = greedy_accept(drafted, answer)
+                    else:
+                        accepted, nxt = answer
+                    new, finish = stop(drafted[:accepted] + [nxt])
+                    session.tokens.extend(new)
+                    committed = len(session.tokens) - 1
+                    if taps is not None:
+                        # a width-1 round drafts nothing, so earlier pending rows may still wait
+                        new_rows = taps[:, : committed - base]
+                        session.pending = (new_rows if session.pending is None
+                                           else mx.concatenate([session.pending, new_rows], axis=1))
+                finally:
+                    # Positions past `committed` hold rejected drafts (or a half-done pass):
+                    # drop them.
+                    pair.target.truncate(session.target_cache, committed)
+                verify_s = time.perf_counter() - tic
 
             produced += len(new)
+            if finish == "length" and capped:
+                note = f"stopped at the model's context ({limit} tokens)"
             if watch is not None and watch.feed(len(drafted), accepted):
                 block_size, watch, note = 1, None, watch.note  # the rest is plain AR: exact too
             for t in new:
@@ -361,9 +374,12 @@ def stream_generate(
                 generation_tokens=produced,
                 finish_reason=finish,
                 # slots cut for low confidence (a lookup with nothing to offer cuts none)
-                trimmed=0 if lookup_only else max(width - 1 - len(drafted), 0),
+                trimmed=0 if lookup_only or rnd else max(width - 1 - len(drafted), 0),
                 lookup_flags=hint.flags(len(drafted)) if hint else [],
                 note=note,
+                tree_nodes=rnd.nodes if rnd else 0,
+                branch_tokens=rnd.branch if rnd else 0,
             )
+            note = None
             if finish is not None:
                 return

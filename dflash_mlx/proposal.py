@@ -54,6 +54,9 @@ class SpeculationConfig:
         draft_free: speculate with the context lookup alone, for a pair without a draft model
             (`--draft lookup`): each round verifies what followed the context's last words
             earlier, exact like any proposal.
+        tree: verify a best-first tree of this many drafted nodes per round (DDTree; 0: one
+            path). v1 drafts on llama / qwen2 / qwen3 targets; elsewhere one path is verified.
+            The context lookup joins a tree as one more branch; the confidence cut does not apply.
     """
 
     block_size: int = 5
@@ -63,6 +66,7 @@ class SpeculationConfig:
     draft_window: int | None = None
     fallback_after: int | None = None
     draft_free: bool = False
+    tree: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "verify_pad", MappingProxyType(dict(self.verify_pad)))
@@ -77,6 +81,8 @@ class SpeculationConfig:
         if self.fallback_after is not None and self.fallback_after < 1:
             raise InvalidArgumentError(
                 f"fallback_after must be at least 1, got {self.fallback_after}")
+        if self.tree < 0:
+            raise InvalidArgumentError(f"--tree must be at least 0, got {self.tree}")
 
     @classmethod
     def for_pair(cls, pair, **overrides) -> "SpeculationConfig":
@@ -128,6 +134,22 @@ def draft_block(draft, block_ids: mx.array, context: mx.array | None, cache: lis
         ids, confidence, hint.start = merge(ids, confidence, hint.context)
     keep = joint_keep(confidence, cut) if cut > 0 else len(ids)
     return mx.array(ids[:keep], dtype=mx.int32), None, hint
+
+
+def slot_candidates(draft, block_ids: mx.array, context: mx.array | None, cache: list,
+                    k: int) -> tuple[mx.array, mx.array]:
+    """A v1 draft's `k` likeliest tokens per slot 1..L-1 of `block_ids`, best first, and their
+    log-probabilities under its proposal head: (L-1, k) each, on the device (a tree's input)."""
+    hidden = draft.slot_hidden(block_ids, context, cache)[0]
+    logits = draft.proposal_logits(hidden).astype(mx.float32)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    k = min(k, logp.shape[-1])
+    top = mx.argpartition(-logp, k - 1, axis=-1)[:, :k]
+    vals = mx.take_along_axis(logp, top, axis=-1)
+    order = mx.argsort(-vals, axis=-1)
+    top, vals = mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
+    head_ids = draft._borrowed.head_ids  # a restricted head proposes from these rows
+    return (top if head_ids is None else head_ids[top]).astype(mx.int32), vals
 
 
 def lookup_block(tokens: list[int], k: int) -> tuple[mx.array, "Hint"]:

@@ -22,6 +22,9 @@ class Stats:
     trimmed: int = 0  # drafted slots cut for low confidence (never verified)
     lookup_slots: int = 0  # drafted slots the context lookup supplied (verified)
     lookup_accepted: int = 0  # ... of which the target accepted
+    tree_rounds: int = 0  # rounds that verified a draft tree (SpeculationConfig.tree)
+    tree_nodes: int = 0  # ... the nodes they verified
+    branch_tokens: int = 0  # ... accepted tokens that came off the draft's argmax path
     position_tries: list[int] = field(default_factory=list)
     position_hits: list[int] = field(default_factory=list)
     draft_s: float = 0.0
@@ -48,6 +51,10 @@ class Stats:
         self.trimmed += ev.trimmed
         self.lookup_slots += sum(ev.lookup_flags)
         self.lookup_accepted += sum(f and ok for f, ok in zip(ev.lookup_flags, ev.accept_flags))
+        if ev.tree_nodes:
+            self.tree_rounds += 1
+            self.tree_nodes += ev.tree_nodes
+            self.branch_tokens += ev.branch_tokens
         for i, ok in enumerate(ev.accept_flags):
             while len(self.position_tries) <= i:
                 self.position_tries.append(0)
@@ -88,6 +95,9 @@ class Stats:
             "trimmed_slots": self.trimmed,
             "lookup_slots": self.lookup_slots,
             "lookup_accepted": self.lookup_accepted,
+            "tree_rounds": self.tree_rounds,
+            "tree_nodes": self.tree_nodes,
+            "branch_tokens": self.branch_tokens,
             "draft_s": round(self.draft_s, 4),
             "verify_s": round(self.verify_s, 4),
             "generation_tps": round(self.tokens_per_s, 3),

@@ -124,7 +124,8 @@ def test_events_jsonl_schema(tiny, tmp_path):
     blocks, summary = rows[:-1], rows[-1]
     keys = {"type", "index", "tokens", "text", "drafted", "accepted", "accept_flags", "draft_s",
             "verify_s", "block_size", "prompt_tokens", "reused_tokens", "prompt_s",
-            "generation_tokens", "finish_reason", "trimmed", "lookup_flags", "note"}
+            "generation_tokens", "finish_reason", "trimmed", "lookup_flags", "note", "tree_nodes",
+            "branch_tokens"}
     assert all(set(b) == keys and b["type"] == "block" for b in blocks)
     assert [b["index"] for b in blocks] == list(range(len(blocks)))
     assert sum(len(b["tokens"]) for b in blocks) == 10

@@ -21,7 +21,7 @@ from .options import (  # the app and the options shared with commands.py
     DEFAULT_BLOCK_SIZE, DEFAULT_MAX_TOKENS, R, ApiKeyOpt, BackendOpt, BaseUrlOpt, BlockSizeOpt,
     DraftBitsOpt, DraftOpt, LookupOpt, MaxTokensOpt, MinConfidenceOpt, ModelOpt, NoDraftOpt,
     NoTemplateOpt, PadVerifyOpt, ReasoningOpt, SeedOpt, SystemOpt, TempOpt, TopKOpt, TopPOpt,
-    WeightsOpt, app,
+    TreeOpt, WeightsOpt, app,
 )
 from ..errors import InvalidArgumentError
 
@@ -44,6 +44,7 @@ def generate(
     min_confidence: MinConfidenceOpt = None,
     lookup: LookupOpt = True,
     pad_verify: PadVerifyOpt = True,
+    tree: TreeOpt = 0,
     max_tokens: MaxTokensOpt = DEFAULT_MAX_TOKENS,
     temp: TempOpt = 0.0,
     top_p: TopPOpt = 1.0,
@@ -73,6 +74,8 @@ def generate(
     from ..server import cli as server_cli
 
     sampling = prepare.check_sampling(max_tokens, temp, top_p, top_k, seed)
+    if tree < 0:
+        raise InvalidArgumentError(f"--tree must be at least 0, got {tree}")
     prepare.check_arg_text(system_prompt, "--system-prompt")
     if server_cli.is_remote(backend, base_url):
         if check_parity or events or verbose:
@@ -102,6 +105,7 @@ def generate(
     block = prepare.choose_block(pair, loaded, requested, None if quiet else render.note)
     ids = prepare.prompt_ids(pair, text, system_prompt, template_kwargs, not no_chat_template)
     config = prepare.speculation(pair, loaded, block, _say(quiet))
+    config = config.replace(tree=tree)
     stats, tokens, interrupted, peak = _stream(pair, ids, config, sampling, writer, verbose,
                                                notes=is_speaker(group))
     if not quiet:
@@ -119,7 +123,7 @@ def generate(
 
         writer.summary({
             "versions": versions(), **loaded.models(), "block_size": block,
-            "min_confidence": config.min_confidence, "lookup": config.lookup,
+            "min_confidence": config.min_confidence, "lookup": config.lookup, "tree": config.tree,
             "verify_pad": dict(config.verify_pad), "sampling": sampling, "chat_template": not no_chat_template, "reasoning": reasoning,
             "prompt_ids": len(ids), "stats": stats.as_dict(), "peak_memory_gb": round(peak, 4),
             "interrupted": bool(interrupted), "parity": asdict(parity) if parity else None,

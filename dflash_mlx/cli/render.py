@@ -78,7 +78,9 @@ def block_line(index: int, ev) -> str:
         return f"#{index:<4} AR  {' ' * 12}{timing}  {ev.text!r}"
     bar = slot_glyphs(ev)
     own = len(ev.tokens) - min(ev.accepted, len(ev.tokens))
-    return f"#{index:<4} {bar} {ev.accepted}/{len(ev.drafted)} +{own}  {timing}  {ev.text!r}"
+    # a tree round: the path shown is the accepted one; how many of its tokens were branches
+    tree = f" tree {ev.tree_nodes}, {ev.branch_tokens} branch" if ev.tree_nodes else ""
+    return f"#{index:<4} {bar} {ev.accepted}/{len(ev.drafted)} +{own}{tree}  {timing}  {ev.text!r}"
 
 
 def stats_lines(stats, peak_gb: float, block_size: int) -> list[str]:
@@ -99,6 +101,10 @@ def stats_lines(stats, peak_gb: float, block_size: int) -> list[str]:
         if stats.lookup_slots:
             lines.append(f"Context lookup: {stats.lookup_accepted} of {stats.lookup_slots} "
                          "slots it filled were accepted (--no-lookup turns it off)")
+        if stats.tree_rounds:
+            lines.append(f"Tree: {stats.tree_nodes / stats.tree_rounds:.0f} nodes per round over "
+                         f"{stats.tree_rounds} rounds; {stats.branch_tokens} accepted tokens came "
+                         "from branches off the draft's argmax path")
     lines.append(f"Peak memory: {peak_gb:.3f} GB")
     return lines
 
