@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import os
 import random
+import select
 import signal
 import stat
 import threading
+import time
 from contextlib import contextmanager
 
 import mlx.core as mx
@@ -53,23 +55,29 @@ def world() -> mx.distributed.Group | None:
 def end_with_launcher() -> None:
     """End this rank when the launcher is gone, for a command that never ends by itself.
 
-    `mlx.launch` gives each local rank a pipe as stdin and holds its other end: when the
-    launcher is killed (SIGTERM on its pid alone), the pipe reads end-of-file, and a server
-    rank that lived on would keep its port and its peers. Ranks with another stdin (a
-    terminal, /dev/null: other launchers) are left alone."""
+    `mlx.launch` starts each local rank as its child with a pipe as stdin and holds the other
+    end. When the launcher is killed (SIGTERM on its pid alone) the rank is reparented and the
+    pipe reads end-of-file; a server rank that lived on would keep its port and its peers. The
+    watch ends the process from its own thread with `os._exit`: a signal would wait for the
+    main thread, which may sit inside an all-reduce that never returns."""
+    parent = os.getppid()
     try:
-        if not stat.S_ISFIFO(os.fstat(0).st_mode):
-            return
+        piped = stat.S_ISFIFO(os.fstat(0).st_mode)
     except OSError:
-        return
+        piped = False
 
     def watch():
-        try:
-            while os.read(0, 65536):  # input the launcher forwards: serve reads none
-                pass
-        except OSError:
-            return
-        os.kill(os.getpid(), signal.SIGTERM)  # the default action, as `world` set it
+        while os.getppid() == parent:
+            if piped:
+                try:
+                    ready = select.select([0], [], [], 0.5)[0]
+                    if ready and not os.read(0, 65536):  # end of file: the launcher is gone
+                        break
+                except OSError:
+                    break
+            else:
+                time.sleep(0.5)
+        os._exit(128 + signal.SIGTERM)  # as SIGTERM's default action would end it
 
     threading.Thread(target=watch, name="dflash-launcher-watch", daemon=True).start()
 
