@@ -41,6 +41,13 @@ def free_port() -> int:
     raise RuntimeError("no two adjacent free ports")
 
 
+def _default_signals():
+    # a signal an earlier test left ignored in this process would stay ignored in the launcher
+    # (exec keeps SIG_IGN): SIGTERM on its pid would then do nothing
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def launch(args: list[str], **kw) -> subprocess.Popen:
     # stdin stays open (we hold the write end): at EOF the launcher's input loop spins and
     # starves the ranks; `communicate` would close a PIPE
@@ -49,7 +56,7 @@ def launch(args: list[str], **kw) -> subprocess.Popen:
     proc = subprocess.Popen(
         [str(LAUNCH), "--backend", "ring", "-n", "2", "--starting-port", str(free_port()),
          "--python", sys.executable, *args],
-        stdin=read, start_new_session=True, **kw)
+        stdin=read, start_new_session=True, preexec_fn=_default_signals, **kw)
     os.close(read)
     proc.hold = write
     return proc
