@@ -148,7 +148,7 @@ def slot_candidates(draft, block_ids: mx.array, context: mx.array | None, cache:
     vals = mx.take_along_axis(logp, top, axis=-1)
     order = mx.argsort(-vals, axis=-1)
     top, vals = mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
-    head_ids = draft._borrowed.head_ids  # a restricted head proposes from these rows
+    head_ids = draft.head_token_ids()  # a restricted head's rows are these tokens
     return (top if head_ids is None else head_ids[top]).astype(mx.int32), vals
 
 

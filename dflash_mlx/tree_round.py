@@ -44,16 +44,20 @@ def tree_budget(pair, config, lookup_only: bool) -> tuple[int, str | None]:
     """(nodes per round, a one-line note when a tree was asked for but one path runs)."""
     if not config.tree or config.block_size == 1:
         return 0, None
-    if lookup_only or pair.draft is None:
-        reason = "without a draft model"
-    elif pair.draft.config.is_dflash2:
-        reason = "with a DFlash 2 draft (it selects its own path)"
-    else:
-        why = unsupported(pair.target)
-        if why is None:
-            return config.tree, None
-        reason = f"for {why}"
+    reason = tree_unavailable(pair, lookup_only)
+    if reason is None:
+        return config.tree, None
     return 0, f"--tree is not available {reason}; verifying one path per round"
+
+
+def tree_unavailable(pair, lookup_only: bool = False) -> str | None:
+    """Why `pair` verifies one path only, as the end of a sentence (None: trees work)."""
+    if lookup_only or pair.draft is None:
+        return "without a draft model"
+    if pair.draft.config.is_dflash2:
+        return "with a DFlash 2 draft (it selects its own path)"
+    why = unsupported(pair.target)
+    return None if why is None else f"for {why}"
 
 
 def target_tokens(logits: mx.array, params: SamplingParams, key: mx.array) -> mx.array:

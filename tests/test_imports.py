@@ -25,7 +25,8 @@ LAYERS = [
     ("dflash_mlx.proposal", "dflash_mlx.utils", "dflash_mlx.tiny", "dflash_mlx.demo",
      "dflash_mlx.machine", "dflash_mlx.distributed"),
     ("dflash_mlx.generate", "dflash_mlx.tree_round"),
-    ("dflash_mlx.stats", "dflash_mlx.chat", "dflash_mlx.registry", "dflash_mlx.cpu.cost"),
+    ("dflash_mlx.stats", "dflash_mlx.chat", "dflash_mlx.registry", "dflash_mlx.cpu.cost",
+     "dflash_mlx.cpu.tree_budget"),
     ("dflash_mlx.bench", "dflash_mlx.train", "dflash_mlx.server"),
     # the user-facing layer: commands, the server's and the trainer's command code, the TUI
     ("dflash_mlx.cli", "dflash_mlx.server.cli", "dflash_mlx.train.cli", "tui"),

@@ -16,6 +16,16 @@ def _block(text: str) -> int | str:
     return text if text == "auto" else int(text)
 
 
+def _tree(text: str) -> int | str:
+    from dflash_mlx.cli.prepare import parse_tree
+    from dflash_mlx.errors import InvalidArgumentError
+
+    try:
+        return parse_tree(text)
+    except InvalidArgumentError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tui", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="models.toml name, Hub repo id or local path")
@@ -38,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "that all are right is at least this (0: whole blocks)")
     p.add_argument("--no-lookup", action="store_true",
                    help="no context lookup for the draft's unsure slots")
+    p.add_argument("--tree", default="auto", type=_tree,
+                   help="draft-tree nodes verified per round (0: one path), or 'auto'")
     return p.parse_args(argv)
 
 
@@ -51,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     loader = registry_loader(settings, model=a.model, draft=a.draft, no_draft=a.no_draft,
                              draft_bits=a.draft_bits, weights=a.weights,
                              block_size=1 if a.no_draft else block,
-                             min_confidence=a.min_confidence, lookup=not a.no_lookup)
+                             min_confidence=a.min_confidence, lookup=not a.no_lookup,
+                             tree=a.tree)
     return run_chat(settings, loader, resume=a.resume)
 
 

@@ -133,14 +133,23 @@ class ChatApp(ChatActions, App[None]):
 
     @work(thread=True, exclusive=True, group="load", exit_on_error=False)
     def _load(self, view: LoadingView) -> None:
+        notes: list[str] = []
+
+        def progress(msg: str) -> None:
+            if msg.startswith("note: "):  # e.g. --tree where one path runs: kept past loading
+                notes.append(msg.removeprefix("note: "))
+            self.call_from_thread(view.progress, msg)
+
         try:
-            pair = self.loader(lambda msg: self.call_from_thread(view.progress, msg))
+            pair = self.loader(progress)
         except Exception as e:  # a bad model must not end the app
             self.call_from_thread(self._load_failed, view, e)
             return
         if isinstance(pair, tuple):
             pair, self.speculation = pair
         self.call_from_thread(self._pair_ready, pair)
+        for note in notes:
+            self.call_from_thread(self.notify, note, title="Note", severity="warning", timeout=20)
 
     def _load_failed(self, view: LoadingView, exc: Exception) -> None:
         self.end_capture_print(view)

@@ -18,13 +18,16 @@ from .settings import ChatSettings
 def registry_loader(settings: ChatSettings, *, model: str | None = None,
                     draft: str | None = None, no_draft: bool = False, draft_bits: int | None = None,
                     weights: str = "auto", block_size: int | str = 5,
-                    min_confidence: float | None = None, lookup: bool = True) -> Callable:
+                    min_confidence: float | None = None, lookup: bool = True,
+                    tree: int | str = 0) -> Callable:
     """A loader for the app's worker; it also settles block size and reasoning in `settings`.
 
     Args:
         block_size: a size, or "auto" (from the measured verify cost, as in `generate`).
         min_confidence: the cut of unsure draft slots (None: the device's default).
         lookup: context lookup for the draft's unsure slots (`dflash_mlx/proposal.py`).
+        tree: draft-tree nodes per round, or "auto" (as in `generate`); settles
+            `settings.tree`. Where the pair verifies one path, a note goes to `progress`.
     """
 
     def loader(progress):
@@ -40,7 +43,9 @@ def registry_loader(settings: ChatSettings, *, model: str | None = None,
         if entry is not None and entry.reasoning_kwarg:
             settings.reasoning_kwarg = entry.reasoning_kwarg
             settings.reasoning = settings.reasoning or entry.reasoning_default
-        return pair, prepare.speculation(pair, loaded, settings.block_size, progress)
+        config = prepare.speculation(pair, loaded, settings.block_size, progress)
+        settings.tree = prepare.choose_tree(pair, loaded, tree, settings.block_size, progress)
+        return pair, config.replace(tree=settings.tree)
 
     return loader
 

@@ -18,6 +18,7 @@ class ChatSettings:
         reasoning: "on"/"off" or a level, or None for the template's default.
         reasoning_kwarg: the chat-template kwarg that carries it (None: the model has none).
         provenance: tint tokens by where they came from.
+        tree: draft-tree nodes verified per round (0: one path), settled when the pair loads.
     """
 
     block_size: int = 5
@@ -30,6 +31,7 @@ class ChatSettings:
     reasoning_kwarg: str | None = None
     system_prompt: str | None = None
     provenance: bool = True
+    tree: int = 0
 
     def gen_kwargs(self) -> dict:
         """Keyword arguments for `Conversation.send` / `stream_generate`."""

@@ -11,8 +11,8 @@ from . import render
 from .options import (
     DEFAULT_BLOCK_SIZE, DEFAULT_MAX_TOKENS, S, BlockSizeOpt, DraftBitsOpt, DraftOpt, MaxTokensOpt,
     LookupOpt, MinConfidenceOpt,
-    ModelOpt, NoDraftOpt, ReasoningOpt, SeedOpt, SystemOpt, TempOpt, TopKOpt, TopPOpt, WeightsOpt,
-    app,
+    ModelOpt, NoDraftOpt, ReasoningOpt, SeedOpt, SystemOpt, TempOpt, TopKOpt, TopPOpt, TreeOpt,
+    WeightsOpt, app,
 )
 from ..errors import DFlashError
 
@@ -27,6 +27,7 @@ def chat(
     weights: WeightsOpt = "auto",
     min_confidence: MinConfidenceOpt = None,
     lookup: LookupOpt = True,
+    tree: TreeOpt = "auto",
     max_tokens: MaxTokensOpt = 2048,
     temp: TempOpt = 0.0,
     top_p: TopPOpt = 1.0,
@@ -47,6 +48,7 @@ def chat(
     prepare.check_load_options(draft_bits, weights, min_confidence)
     prepare.check_arg_text(system_prompt, "--system-prompt")
     (requested,) = [1] if no_draft else prepare.parse_block_sizes(block_size, allow_list=False)
+    tree = prepare.parse_tree(tree)
     # a bad name or registry file: one line before the app starts (the loader resolves again)
     registry.reasoning_kwargs(registry.resolve(model, draft, no_draft).entry, reasoning)
     settings = ChatSettings(block_size=requested if isinstance(requested, int) else 5,
@@ -54,7 +56,7 @@ def chat(
                             seed=seed, reasoning=reasoning, system_prompt=system_prompt)
     loader = registry_loader(settings, model=model, draft=draft, no_draft=no_draft,
                              draft_bits=draft_bits, weights=weights, block_size=requested,
-                             min_confidence=min_confidence, lookup=lookup)
+                             min_confidence=min_confidence, lookup=lookup, tree=tree)
     raise typer.Exit(run_chat(settings, loader, resume=resume))
 
 
@@ -68,6 +70,7 @@ def serve(
     weights: WeightsOpt = "auto",
     min_confidence: MinConfidenceOpt = None,
     lookup: LookupOpt = True,
+    tree: TreeOpt = "auto",
     host: Annotated[str, typer.Option(
         help="Address to listen on; 0.0.0.0 opens the server to the network.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port; 0 picks a free one.")] = 8000,
@@ -101,7 +104,8 @@ def serve(
     prepare.check_sampling(max_tokens, temp, top_p, top_k, None)
     (requested,) = [1] if no_draft else prepare.parse_block_sizes(block_size, allow_list=False)
     server_cli.serve(registry.resolve(model, draft, no_draft), requested, draft_bits=draft_bits,
-                     weights=weights, min_confidence=min_confidence, lookup=lookup, host=host,
+                     weights=weights, min_confidence=min_confidence, lookup=lookup,
+                     tree=prepare.parse_tree(tree), host=host,
                      port=port, api_key=api_key,
                      model_name=served_model_name, queue_size=queue_size, log_level=log_level,
                      defaults={"max_tokens": max_tokens, "temperature": temp, "top_p": top_p,

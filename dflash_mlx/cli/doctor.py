@@ -1,18 +1,24 @@
-"""`doctor`'s own pieces: the BLAS report and the synthetic pairs it times.
+"""`doctor`: the report (`run`), the BLAS report and the synthetic pairs it times.
 
-The verify-cost curve itself is `cpu/cost.py`; machine facts are `machine.py`.
+The verify-cost curve itself is `cpu/cost.py`, the tree budget `cpu/tree_budget.py`; machine
+facts are `machine.py`. The command's options are declared in `main.py`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 
 import mlx.core as mx
 import mlx.nn as nn
+import typer
 
+from . import render
 from ..cpu import blas
+from ..errors import InvalidArgumentError
 from ..utils import DRAFT_GROUP_SIZE, Pair, _quantizable, convert_weights, pair_from_models, weights_dtype
 
 SYNTH_DRAFT_LAYERS = 5  # z-lab drafts have 5 layers
@@ -92,3 +98,134 @@ def synthetic_pair(shape: str = "smollm2-135m", weights: str = "auto") -> Pair:
     return pair
 
 
+# -- the report ------------------------------------------------------------------------------
+
+def run(*, model, draft, no_draft, draft_bits, weights, shape, tau, repeats, context, seconds,
+        remeasure, as_json) -> None:
+    """`dflash-mlx doctor`: machine facts, BLAS, the verify-cost curve (cached), the block
+    size and the tree budget it recommends."""
+    from .. import machine as facts
+    from ..cpu import cost
+    from . import prepare
+
+    _check(shape, tau, repeats, context, seconds)
+    prepare.check_load_options(draft_bits, weights)
+    say = None if as_json else render.progress
+    report = {"versions": facts.versions(), "machine": facts.machine(), "blas": blas_report()}
+    if say:
+        render.machine(report)
+    pair, key, subject, block = _subject(model, draft, no_draft, draft_bits, weights, shape, say)
+    if remeasure:
+        _forget(key if model is not None else None, say)
+    no_tree = _tree_unavailable(pair)
+    wide = () if no_tree else cost.TREE_WIDTHS
+    if say:
+        extra = f" and {', '.join(map(str, wide))} for trees" if wide else ""
+        say(f"measuring verify cost on {subject} (widths 1..8{extra}, {repeats}+ rounds)...")
+    curve = cost.measure(pair, context=context, repeats=repeats, progress=say, budget_s=seconds,
+                         tree_widths=wide)
+    try:
+        cached_in = cost.store(key, curve)
+    except OSError as e:
+        cached_in = None
+        render.note(f"note: could not cache the verify-cost timing in {cost.cache_file()} "
+                    f"({e.strerror or e})")
+    rows = cost.plan(curve, tau, max_block=pair.draft.config.block_size if pair.draft else None)
+    best = cost.recommend(rows)
+    tree = _tree_choice(curve, block, no_tree)
+    report.update(subject=subject, curve=asdict(curve), tau=tau, verify_pad=curve.pads(),
+                  plan=[asdict(r) for r in rows], recommended_block_size=best.block_size,
+                  tree={"budget": tree.budget, "block_size": block, "why": tree.why})
+    if as_json:
+        typer.echo(json.dumps(report, indent=1, default=str))
+        return
+    _print(curve, rows, best, tau, seconds, cached_in, tree, block)
+
+
+def _check(shape, tau, repeats, context, seconds) -> None:
+    from ..cpu import cost
+
+    if shape not in SHAPES:
+        raise InvalidArgumentError(f"--shape must be one of {', '.join(SHAPES)}, got {shape!r}")
+    if repeats < 1 or context < 1:
+        raise InvalidArgumentError("--repeats and --context must be at least 1")
+    if seconds < 0:
+        raise InvalidArgumentError(f"--seconds must be at least 0, got {seconds:g}")
+    if not 1 <= tau <= cost.TAU_BLOCK:
+        raise InvalidArgumentError(f"--tau is τ at block {cost.TAU_BLOCK}: between 1 and "
+                                   f"{cost.TAU_BLOCK}, got {tau:g}")
+
+
+def _subject(model, draft, no_draft, draft_bits, weights, shape, say):
+    """(pair, cache key, a description, the block size `generate` would run) of what is timed."""
+    from .. import registry
+    from ..cpu import cost
+    from . import prepare
+
+    if model is not None:
+        # its curve is measured below: no cached one needed to open it
+        pair, loaded = prepare.open_pair(registry.resolve(model, draft, no_draft), draft_bits,
+                                         weights, say, pad_verify=False)
+        subject = f"{loaded.spec.target} + {loaded.spec.draft or 'no draft (draft cost left out)'}"
+        return pair, loaded.cost_key(), subject, prepare.default_block(loaded.spec.entry)
+    pair = synthetic_pair(shape, weights)
+    key = cost.model_key(f"synthetic:{shape}", None, pair.weights, "synthetic-draft", 4)
+    subject = (f"built-in random {shape}-shaped target ({pair.weights}) with a "
+               f"{pair.draft.config.num_hidden_layers}-layer DFlash draft")
+    return pair, key, subject, registry.DEFAULT_BLOCK
+
+
+def _forget(key, say) -> None:
+    from ..cpu import cost
+
+    try:
+        gone = cost.forget(key)
+    except OSError as e:  # the cache is an optimisation: the report goes on without it
+        render.note(f"note: could not rewrite {cost.cache_file()} ({e.strerror or e})")
+        return
+    if say:
+        say(f"forgot {gone} cached verify-cost curve{'s' * (gone != 1)} of this machine")
+
+
+def _tree_unavailable(pair) -> str | None:
+    from ..tree_round import tree_unavailable
+
+    return tree_unavailable(pair)
+
+
+def _tree_choice(curve, block: int, no_tree: str | None):
+    from ..cpu.tree_budget import TreeChoice, choose
+
+    if no_tree is not None:
+        return TreeChoice(0, f"trees are not available {no_tree}")
+    return choose(curve, block)
+
+
+def _print(curve, rows, best, tau, seconds, cached_in, tree, block) -> None:
+    pads = curve.pads()
+    verify_table, plan_table = render.doctor_tables(curve, rows, best)
+    render.out.print(f"verify: one target pass over W tokens ÷ one over 1 token ({curve.step_ms:.1f} "
+                     f"ms, {curve.context} tokens cached); draft: one draft pass ÷ the same",
+                     soft_wrap=True, markup=False)
+    render.out.print(verify_table)
+    if curve.noisy:
+        render.out.print(f"The rounds still disagreed by {curve.spread:.0%} after {seconds:g} s "
+                         "(a busy machine), so no wider pass counts as cheaper: nothing pads. "
+                         "Rerun with --remeasure when the machine is idle.",
+                         soft_wrap=True, markup=False)
+    if pads:
+        render.out.print("A wider pass is cheaper here, so the engine pads these widths: "
+                         + ", ".join(f"{w}→{p}" for w, p in pads.items())
+                         + " (the rounds below are costed so; --no-pad-verify turns it off)",
+                         soft_wrap=True, markup=False)
+    render.out.print(f"break-even τ = verify + draft cost; expected τ assumes τ {tau:g} at block 5 "
+                     "(same acceptance rate at every draft position)", soft_wrap=True, markup=False)
+    render.out.print(plan_table)
+    verdict = ("speculation should pay" if best.speedup > 1 else
+               "speculation is unlikely to pay at this τ; compare with --no-draft")
+    render.out.print(f"Recommended block size: [bold]{best.block_size}[/] "
+                     f"(predicted {best.speedup:.2f}× at τ {tau:g}@5; {verdict})."
+                     + (f" Cached for `--block-size auto` in {cached_in}" if cached_in else ""),
+                     soft_wrap=True)
+    render.out.print(f"Tree budget for `--tree auto` at block {block}: {tree.budget} — "
+                     f"{tree.why}.", soft_wrap=True, markup=False)

@@ -44,7 +44,7 @@ def generate(
     min_confidence: MinConfidenceOpt = None,
     lookup: LookupOpt = True,
     pad_verify: PadVerifyOpt = True,
-    tree: TreeOpt = 0,
+    tree: TreeOpt = "auto",
     max_tokens: MaxTokensOpt = DEFAULT_MAX_TOKENS,
     temp: TempOpt = 0.0,
     top_p: TopPOpt = 1.0,
@@ -74,8 +74,7 @@ def generate(
     from ..server import cli as server_cli
 
     sampling = prepare.check_sampling(max_tokens, temp, top_p, top_k, seed)
-    if tree < 0:
-        raise InvalidArgumentError(f"--tree must be at least 0, got {tree}")
+    tree = prepare.parse_tree(tree)
     prepare.check_arg_text(system_prompt, "--system-prompt")
     if server_cli.is_remote(backend, base_url):
         if check_parity or events or verbose:
@@ -92,6 +91,7 @@ def generate(
             raise InvalidArgumentError("--block-size auto is not available under mlx.launch: "
                                        "give a number")
         pad_verify, sampling["seed"] = False, shared_seed(seed, group)
+        tree = 0 if tree == "auto" else tree  # per-rank curves could choose different trees
         if not is_speaker(group):
             quiet, verbose, events, sys.stdout = True, False, None, open(os.devnull, "w")
     if check_parity and temp > 0:
@@ -105,7 +105,8 @@ def generate(
     block = prepare.choose_block(pair, loaded, requested, None if quiet else render.note)
     ids = prepare.prompt_ids(pair, text, system_prompt, template_kwargs, not no_chat_template)
     config = prepare.speculation(pair, loaded, block, _say(quiet))
-    config = config.replace(tree=tree)
+    config = config.replace(tree=prepare.choose_tree(pair, loaded, tree, block,
+                                                     None if quiet else render.note))
     stats, tokens, interrupted, peak = _stream(pair, ids, config, sampling, writer, verbose,
                                                notes=is_speaker(group))
     if not quiet:
@@ -216,95 +217,20 @@ def doctor(
     context: Annotated[int, typer.Option(help="Tokens in the cache while timing.")] = 256,
     seconds: Annotated[float, typer.Option(
         help="Most seconds the timing takes (warm-up included, two rounds at least); it "
-        "ends sooner once --repeats rounds agree.")] = 8.0,
+        "ends sooner once --repeats rounds agree. The tree widths (9-65) make a round about "
+        "twice as long as generate's first-use timing.")] = 20.0,
     remeasure: Annotated[bool, typer.Option(
         help="Forget this machine's cached verify-cost curves first (every model's; with "
         "--model, that model's), so the next run times them again.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ):
-    """Check this machine: MLX, BLAS, memory, and the verify-cost curve behind the block size."""
-    from .. import machine as facts
-    from ..cpu import cost
+    """Check this machine: MLX, BLAS, memory, and the verify-cost curve behind the block size
+    and the draft-tree budget."""
     from . import doctor as doc
 
-    if shape not in doc.SHAPES:
-        raise InvalidArgumentError(f"--shape must be one of {', '.join(doc.SHAPES)}, got {shape!r}")
-    if repeats < 1 or context < 1:
-        raise InvalidArgumentError("--repeats and --context must be at least 1")
-    if seconds < 0:
-        raise InvalidArgumentError(f"--seconds must be at least 0, got {seconds:g}")
-    if not 1 <= tau <= cost.TAU_BLOCK:
-        raise InvalidArgumentError(f"--tau is τ at block {cost.TAU_BLOCK}: between 1 and "
-                                   f"{cost.TAU_BLOCK}, got {tau:g}")
-    from . import prepare
-
-    prepare.check_load_options(draft_bits, weights)
-    say = None if as_json else render.progress
-    report = {"versions": facts.versions(), "machine": facts.machine(), "blas": doc.blas_report()}
-    if say:
-        render.machine(report)
-    if model is not None:
-        from ..registry import resolve
-
-        # its curve is measured below: no cached one needed to open it
-        pair, loaded = prepare.open_pair(resolve(model, draft, no_draft), draft_bits, weights, say,
-                                         pad_verify=False)
-        key = loaded.cost_key()
-        subject = f"{loaded.spec.target} + {loaded.spec.draft or 'no draft (draft cost left out)'}"
-    else:
-        pair = doc.synthetic_pair(shape, weights)
-        key = cost.model_key(f"synthetic:{shape}", None, pair.weights, "synthetic-draft", 4)
-        subject = (f"built-in random {shape}-shaped target ({pair.weights}) with a "
-                   f"{pair.draft.config.num_hidden_layers}-layer DFlash draft")
-    if remeasure:
-        try:
-            gone = cost.forget(key if model is not None else None)
-        except OSError as e:  # the cache is an optimisation: the report goes on without it
-            render.note(f"note: could not rewrite {cost.cache_file()} ({e.strerror or e})")
-        else:
-            if say:
-                say(f"forgot {gone} cached verify-cost curve{'s' * (gone != 1)} of this machine")
-    if say:
-        say(f"measuring verify cost on {subject} (widths 1..8, {repeats}+ rounds)...")
-    curve = cost.measure(pair, context=context, repeats=repeats, progress=say, budget_s=seconds)
-    try:
-        cached_in = cost.store(key, curve)
-    except OSError as e:
-        cached_in = None
-        render.note(f"note: could not cache the verify-cost timing in {cost.cache_file()} "
-                    f"({e.strerror or e})")
-    rows = cost.plan(curve, tau, max_block=pair.draft.config.block_size if pair.draft else None)
-    best = cost.recommend(rows)
-    pads = curve.pads()
-    report.update(subject=subject, curve=asdict(curve), tau=tau, verify_pad=pads,
-                  plan=[asdict(r) for r in rows], recommended_block_size=best.block_size)
-    if as_json:
-        typer.echo(json.dumps(report, indent=1, default=str))
-        return
-    verify_table, plan_table = render.doctor_tables(curve, rows, best)
-    render.out.print(f"verify: one target pass over W tokens ÷ one over 1 token ({curve.step_ms:.1f} "
-                     f"ms, {curve.context} tokens cached); draft: one draft pass ÷ the same",
-                     soft_wrap=True, markup=False)
-    render.out.print(verify_table)
-    if curve.noisy:
-        render.out.print(f"The rounds still disagreed by {curve.spread:.0%} after {seconds:g} s "
-                         "(a busy machine), so no wider pass counts as cheaper: nothing pads. "
-                         "Rerun with --remeasure when the machine is idle.",
-                         soft_wrap=True, markup=False)
-    if pads:
-        render.out.print("A wider pass is cheaper here, so the engine pads these widths: "
-                         + ", ".join(f"{w}→{p}" for w, p in pads.items())
-                         + " (the rounds below are costed so; --no-pad-verify turns it off)",
-                         soft_wrap=True, markup=False)
-    render.out.print(f"break-even τ = verify + draft cost; expected τ assumes τ {tau:g} at block 5 "
-                     "(same acceptance rate at every draft position)", soft_wrap=True, markup=False)
-    render.out.print(plan_table)
-    verdict = ("speculation should pay" if best.speedup > 1 else
-               "speculation is unlikely to pay at this τ; compare with --no-draft")
-    render.out.print(f"Recommended block size: [bold]{best.block_size}[/] "
-                     f"(predicted {best.speedup:.2f}× at τ {tau:g}@5; {verdict})."
-                     + (f" Cached for `--block-size auto` in {cached_in}" if cached_in else ""),
-                     soft_wrap=True)
+    doc.run(model=model, draft=draft, no_draft=no_draft, draft_bits=draft_bits, weights=weights,
+            shape=shape, tau=tau, repeats=repeats, context=context, seconds=seconds,
+            remeasure=remeasure, as_json=as_json)
 
 
 @app.command()

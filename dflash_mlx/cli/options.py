@@ -122,11 +122,12 @@ BlockSizeOpt = Annotated[Optional[str], typer.Option(
     "--block-size", help="Verify width: the last token + B-1 drafted ones, 2..the draft's trained "
     "size; or 'auto' (from the measured verify cost on this machine, see `doctor`). Default: the "
     "models.toml entry's block_size, else 5.", rich_help_panel=M, show_default=False)]
-TreeOpt = Annotated[int, typer.Option(
+TreeOpt = Annotated[str, typer.Option(
     "--tree", help="Verify a best-first tree of this many drafted tokens per round, built "
-    "from the draft's top guesses at each slot (DDTree), instead of one path; 0: one path. v1 "
-    "drafts on llama/qwen2/qwen3 targets. The output is the target's either way.",
-    rich_help_panel=M)]
+    "from the draft's top guesses at each slot (DDTree), instead of one path; 0: one path. "
+    "auto: 8-64 where `doctor --model` measured that a wide verify pass costs about what the "
+    "path's does (GPUs), else 0 (this CPU). v1 drafts on llama/qwen2/qwen3 targets. The "
+    "output is the target's either way.", rich_help_panel=M)]
 MaxTokensOpt = Annotated[int, typer.Option(help="Most tokens to generate.", rich_help_panel=S)]
 TempOpt = Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.", rich_help_panel=S)]
 TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].", rich_help_panel=S)]

@@ -280,6 +280,47 @@ def choose_block(pair, loaded: Loaded, requested: int | str | None, say: Say = N
     return int(requested)
 
 
+def parse_tree(text: str | int | None) -> int | str:
+    """`--tree`: a node budget (0: one path), or 'auto' (None: auto; see `choose_tree`)."""
+    text = "auto" if text is None else str(text).strip()
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise InvalidArgumentError(f"--tree must be a node count ≥ 0 or 'auto', got {text!r}") \
+            from None
+    if n < 0:
+        raise InvalidArgumentError(f"--tree must be at least 0 (0: one path), got {n}")
+    return n
+
+
+def choose_tree(pair, loaded: Loaded, requested: int | str, block: int, say: Say = None) -> int:
+    """Tree nodes per round at `block`: the number asked for, or for `auto` the budget this
+    machine's cached cost curve allows (`cpu/tree_budget.py`; nothing is timed here: without a
+    curve with tree widths, one path). A pair that verifies one path only gets 0, and a note
+    when a number was asked for."""
+    from ..tree_round import tree_budget
+
+    if requested == 0:
+        return 0
+    probe = 1 if requested == "auto" else requested  # can this pair run a tree at all?
+    runs, note = tree_budget(pair, loaded.speculation.replace(block_size=block, tree=probe),
+                             loaded.speculation.draft_free)
+    if not runs:
+        if say and note and requested != "auto":
+            say(f"note: {note}")
+        return 0
+    if requested != "auto":
+        return int(requested)
+    from ..cpu import cost, tree_budget as policy
+
+    choice = policy.choose(cost.known(loaded.cost_key()), block)
+    if say and choice.budget:
+        say(f"--tree auto → {choice.budget}: {choice.why}")
+    return choice.budget
+
+
 def encoder(pair, template_kwargs: dict, use_template: bool = True):
     """messages → prompt ids through the chat template (with the reasoning kwargs)."""
     from ..chat import apply_template

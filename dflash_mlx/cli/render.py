@@ -287,6 +287,8 @@ def doctor_tables(curve, rows, best) -> list[Table]:
     c.add_column("draft", justify="right")
     for w, v, d in zip(curve.widths, curve.verify, curve.draft):
         c.add_row(str(w), f"{v:.2f}×", "-" if d is None else f"{d:.2f}×")
+    for w, v in zip(curve.tree_widths, curve.tree_verify):  # a tree of w - 1 nodes
+        c.add_row(str(w), f"{v:.2f}×", "-")
     p = Table(title="Block size", title_justify="left")
     for col in ("block", "break-even τ", "expected τ", "predicted speedup"):
         p.add_column(col, justify="right")

@@ -11,7 +11,7 @@ import json
 import math
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from ..utils import Pair
 
 WIDTHS = tuple(range(1, 9))
+# Tree verify widths (a tree of N nodes is one pass of N + 1 rows; `tree_budget.py`): only
+# `doctor` times them, so the first-use timing in `generate` stays as short as before.
+TREE_WIDTHS = (9, 17, 33, 65)
 DEFAULT_TAU = 3.0  # τ at block 5 assumed for the recommendation (Mac 4-bit reports: 2.9-3.4)
 TAU_BLOCK = 5
 # Pad a verify pass only where the wider one is clearly cheaper: repeat timings vary a few %.
@@ -50,12 +53,25 @@ class CostCurve:
     # spread stayed above SPREAD (a busy machine): `verify` was made non-decreasing, since a
     # wider pass that timed cheaper may only have been luckier, so nothing pads
     noisy: bool = False
+    # wider passes for draft trees, relative to W=1 like `verify` (empty: not timed; curves
+    # cached before they existed load without them)
+    tree_widths: list[int] = field(default_factory=list)
+    tree_verify: list[float] = field(default_factory=list)
 
     def cost(self, block: int) -> tuple[float, float]:
         """(verify, draft) of one round at `block`; the verify as padded (see `pads`)."""
         i = self.widths.index(block)
         j = self.widths.index(self.pads().get(block, block))
         return self.verify[j], self.draft[i] or 0.0
+
+    def verify_at(self, width: int) -> float | None:
+        """One target pass of `width` rows (padded as the engine would within `widths`), or
+        None where it was not timed."""
+        if width in self.widths:
+            return self.cost(width)[0]
+        if width in self.tree_widths:
+            return self.tree_verify[self.tree_widths.index(width)]
+        return None
 
     def pads(self, margin: float = PAD_MARGIN) -> dict[int, int]:
         """{W: wider W'} for the widths whose verify pass is cheaper run at a wider width.
@@ -94,7 +110,7 @@ def _spread(times: list[float]) -> float:
 
 def measure(pair: Pair, widths=WIDTHS, context: int = 256, repeats: int = 2,
             progress: Callable[[str], None] | None = None, budget_s: float = BUDGET_S,
-            spread: float = SPREAD) -> CostCurve:
+            spread: float = SPREAD, tree_widths=()) -> CostCurve:
     """Time one target pass at each width (and one draft pass) after `context` cached tokens.
 
     Widths are interleaved within each round so machine drift hits all of them alike; the
@@ -102,6 +118,11 @@ def measure(pair: Pair, widths=WIDTHS, context: int = 256, repeats: int = 2,
     until `repeats` (at least two) have, and every width's two fastest rounds agree within
     `spread`; or until `budget_s` seconds in all have passed (one round at least): the curve
     is then marked noisy if they still disagree (or only one round fitted).
+
+    `tree_widths` (wider than `widths`) ride along in the same rounds, target pass only (a
+    tree's draft pass is a path's). Their fastest round is kept but their spread is not
+    waited for: a wide pass is long, so its relative noise is small, and leftover noise only
+    makes a tree look dearer.
     """
     say = progress or (lambda _m: None)
     start = time.perf_counter()  # the budget counts the warm-up too: it is the user's wait
@@ -115,25 +136,28 @@ def measure(pair: Pair, widths=WIDTHS, context: int = 256, repeats: int = 2,
         d_cache = draft.make_cache()
         mask = draft.config.mask_token_id
         mx.eval(draft.propose(mx.array([[0, mask]]), taps, d_cache)[0])
-    t_verify: dict[int, list[float]] = {w: [] for w in widths}
+    wide = [w for w in tree_widths if w > max(widths)]
+    t_verify: dict[int, list[float]] = {w: [] for w in [*widths, *wide]}
     t_draft: dict[int, list[float]] = {w: [] for w in widths}
     worst = float("inf")
     for r in range(MAX_ROUNDS + 1):
-        _round(tgt, draft, cache, d_cache, taps, widths, context, vocab,
+        _round(tgt, draft, cache, d_cache, taps, [*widths, *wide], widths, context, vocab,
                t_verify if r else None, t_draft if r else None)
         elapsed = time.perf_counter() - start
         if r:
-            worst = max(_spread(t) for t in [*t_verify.values(), *t_draft.values()] if t)
+            path = [t_verify[w] for w in widths] + list(t_draft.values())
+            worst = max(_spread(t) for t in path if t)
             agree = "" if worst == float("inf") else f", rounds agree within {worst:.0%}"
             say(f"timing verify cost: round {r}{agree} ({elapsed:.0f} s)")
         # past the budget one timed round is enough: a busy machine's curve is noisy anyway
         if r >= 1 and elapsed >= budget_s or r >= max(repeats, 2) and worst <= spread:
             break
     step = min(t_verify[widths[0]])
-    verify = [round(min(t_verify[w]) / step, 4) for w in widths]
+    verify = [round(min(t_verify[w]) / step, 4) for w in [*widths, *wide]]
     noisy = not worst <= spread
     if noisy:  # no padding: no wider pass counts as cheaper
         verify = [max(verify[: i + 1]) for i in range(len(verify))]
+    verify, tree_verify = verify[: len(widths)], verify[len(widths):]
     return CostCurve(
         widths=list(widths),
         verify=verify,
@@ -143,11 +167,15 @@ def measure(pair: Pair, widths=WIDTHS, context: int = 256, repeats: int = 2,
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         spread=round(worst, 4) if worst != float("inf") else 1.0,
         noisy=noisy,
+        tree_widths=wide,
+        tree_verify=tree_verify,
     )
 
 
-def _round(tgt, draft, cache, d_cache, taps, widths, context, vocab, t_verify, t_draft) -> None:
-    """One pass at each width (and a draft pass); times appended unless this is the warm-up."""
+def _round(tgt, draft, cache, d_cache, taps, widths, draft_widths, context, vocab, t_verify,
+           t_draft) -> None:
+    """One pass at each width (and a draft pass up to the widest of `draft_widths`); times
+    appended unless this is the warm-up."""
     for w in widths:
         ids = mx.random.randint(0, vocab, (1, w))
         mx.eval(ids)
@@ -158,7 +186,7 @@ def _round(tgt, draft, cache, d_cache, taps, widths, context, vocab, t_verify, t
         tgt.truncate(cache, context)
         if t_verify is not None:
             t_verify[w].append(elapsed)
-        if draft is None or w < 2:
+        if draft is None or w < 2 or w > max(draft_widths):
             continue
         block = mx.array([[0] + [draft.config.mask_token_id] * (w - 1)])
         tic = time.perf_counter()
@@ -285,7 +313,17 @@ def _curve(raw) -> CostCurve | None:
         return None
     ok = (all(num(v, 1e-9) for v in c.verify) and all(d is None or num(d) for d in c.draft)
           and num(c.step_ms, 1e-9) and num(c.spread) and isinstance(c.noisy, bool))
-    return c if ok else None
+    return c if ok and _tree_ok(c, num) else None
+
+
+def _tree_ok(c: CostCurve, num) -> bool:
+    """The tree widths: ints past `widths`, increasing, each with a cost."""
+    w, v = c.tree_widths, c.tree_verify
+    if not (isinstance(w, list) and isinstance(v, list) and len(w) == len(v)):
+        return False
+    ints = all(isinstance(x, int) and not isinstance(x, bool) for x in w)
+    return (ints and w == sorted(set(w)) and (not w or w[0] > c.widths[-1])
+            and all(num(x, 1e-9) for x in v))
 
 
 def _write(path: Path, data: dict) -> None:
@@ -309,13 +347,19 @@ def auto_block_size(pair: Pair, key: str, progress: Callable[[str], None] | None
     return recommend(plan(curve, tau, max_block=pair.draft.config.block_size)), hit
 
 
+def known(key: str) -> CostCurve | None:
+    """This machine's curve for `key` if one was measured (cached, or earlier in this
+    process); never times anything."""
+    return cached(key) or _measured.get(key)
+
+
 def curve_for(pair: Pair, key: str, progress: Callable[[str], None] | None = None
               ) -> tuple[CostCurve, bool]:
     """The cached cost curve of this machine and model, measured and stored on a miss.
 
     The cache is an optimisation: when it cannot be read the curve is measured, and when it
     cannot be written `progress` gets one line and the run goes on."""
-    curve = cached(key) or _measured.get(key)
+    curve = known(key)
     if curve is not None:
         return curve, True
     if progress:

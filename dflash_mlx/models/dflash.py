@@ -160,6 +160,11 @@ class DFlashDraftModel(nn.Module):
     def is_bound(self) -> bool:
         return self._borrowed is not None
 
+    def head_token_ids(self) -> mx.array | None:
+        """The vocabulary id of each row of the proposal head (`proposal_logits`): the
+        restricted head's ids, or None when it is the whole vocabulary (row i is token i)."""
+        return self._borrowed.head_ids
+
     def make_cache(self, window: int | None = None) -> list[ContextCache]:
         """One context cache per layer; `window` bounds every layer's rows (--draft-window)."""
         cfg = self.config

@@ -99,7 +99,7 @@ def benchmark(base_url: str, api_key: str | None, model: str | None, dataset: st
 
 
 def serve(spec, requested, *, draft_bits: int | None, weights: str, min_confidence: float | None,
-          lookup: bool, host: str, port: int,
+          lookup: bool, host: str, port: int, tree: int | str = 0,
           api_key: str | None, model_name: str | None, queue_size: int, log_level: str,
           defaults: dict) -> None:
     """`serve`: bind, load the pair, then answer until Ctrl-C. Under mlx.launch rank 0 does
@@ -143,17 +143,20 @@ def serve(spec, requested, *, draft_bits: int | None, weights: str, min_confiden
                                          min_confidence, lookup, pad_verify=group is None)
         block = prepare.choose_block(pair, loaded, requested, render.note)
         config = prepare.speculation(pair, loaded, block, render.progress)
+        # one setting for the server (every request); a note here if one path runs instead
+        config = config.replace(tree=prepare.choose_tree(pair, loaded, tree, block, render.note))
     except BaseException:
         sock.close()
         raise
     model_id = model_name or (spec.entry.name if spec.entry else spec.target)
     aliases = tuple({spec.target, str(loaded.target_path)} - {model_id})
     info = {"target": spec.target, "draft": spec.draft, "block_size": block,
-            "weights": pair.weights}
+            "tree": config.tree, "weights": pair.weights}
     cfg = ServerConfig(model_id, aliases, api_key, entry=spec.entry, info=info, **defaults)
     bound = sock.getsockname()[1]
     where = f"[{host}]" if ":" in host else host
     how = f"DFlash block {block}" if block > 1 else "plain autoregressive"
+    how += f", tree {config.tree}" if config.tree else ""
     ranks = "" if group is None else f", target sharded over {group.size()} ranks"
     render.note(f"serving {model_id} ({how}{ranks}) on http://{where}:{bound}/v1"
                 f"{' with an API key' if api_key else ''}; Ctrl-C stops")

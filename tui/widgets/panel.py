@@ -41,6 +41,14 @@ def block_glyphs(ev: BlockEvent) -> str:
     return f"{slot_glyphs(ev, k)} {k}/{n}{extra}"
 
 
+def tree_line(stats: Stats) -> str:
+    """`tree 16 · 5/42 off argmax`: nodes per tree round, and how many of the drafted tokens
+    accepted came from branches other than the draft's argmax path."""
+    accepted = sum(stats.position_hits)
+    return (f"tree {stats.tree_nodes / stats.tree_rounds:.0f} · "
+            f"{stats.branch_tokens}/{accepted} off argmax")
+
+
 def round_cost_tau(stats: Stats, baseline_tps: float | None) -> float | None:
     """Break-even τ: one round's draft + verify time in AR steps (needs the AR baseline)."""
     if not baseline_tps or not stats.rounds:
@@ -93,6 +101,8 @@ class SpeculationPanel(Vertical):
                 lines.append(Content.assemble(f"pos {i + 1:<2} ", bar(r), f" {r:4.0%}"))
             else:
                 lines.append(Content.assemble(f"pos {i + 1:<2} ", bar(0), "    –"))
+        if stats.tree_rounds:
+            lines.append(Content(tree_line(stats)))
         return lines
 
     def _numbers(self, stats: Stats, baseline_tps: float | None,

@@ -18,8 +18,9 @@ class StatusBar(Static):
              reused_tokens: int = 0, generation_tokens: int = 0,
              peak_memory: float | None = None, state: str = "") -> None:
         s = settings
+        tree = f" tree {s.tree}" if s.tree and s.block_size > 1 else ""  # nodes per round
         parts = [f"{model} + {draft}" if draft else f"{model} (no draft)",
-                 f"B={s.block_size}",
+                 f"B={s.block_size}{tree}",
                  f"temp {s.temperature:g} · top-p {s.top_p:g} · top-k {s.top_k}",
                  f"reasoning {s.reasoning or '–'}",
                  f"prompt {prompt_tokens} +{reused_tokens} cached",
