@@ -146,15 +146,26 @@ def test_quantized_kv_tree_pass_and_compaction(tmp_path):
     rows = [0] + [r for r in range(1, len(tree)) if tree.ranks[r] > 0][:1]
     while (kids := [r for r in range(len(tree)) if tree.parents[r] == rows[-1]]):
         rows.append(kids[-1])  # a path that needs moving: not the first rows
+    src = mx.array([base + r for r in rows])
+    written = [[a[..., src, :] for a in c.keys + c.values] for c in cache]
+    mx.eval(written)
     keep_rows(cache, base, rows)
     pair.target.truncate(cache, base + len(rows))
     fresh = qcache()
     pair.target(mx.array([ctx + [tree.tokens[r] for r in rows[1:]]]), fresh, taps=False)
     n = base + len(rows)
-    for c, f in zip(cache, fresh):
+    for c, f, moved in zip(cache, fresh, written):
         assert c.offset == f.offset == n
-        for a, b in zip(c.keys + c.values, f.keys + f.values):
-            assert mx.array_equal(a[..., :n, :], b[..., :n, :]).item()
+        # compaction only moves data: bit for bit the rows the tree pass wrote, in path order
+        for a, m in zip(c.keys + c.values, moved):
+            assert mx.array_equal(a[..., base:n, :], m).item()
+        # a fresh prefill agrees up to one quantization step: a BLAS may round a pass of
+        # another width differently in the last bit, which can tip an 8-bit rounding
+        for got, want in ((c.keys, f.keys), (c.values, f.values)):
+            a, b = (mx.dequantize(*(x[..., :n, :] for x in t), group_size=32, bits=8)
+                    for t in (got, want))
+            step = mx.max(want[1][..., :n, :]).item()
+            assert mx.max(mx.abs(a - b)).item() <= 1.01 * step + 1e-6
 
 
 @pytest.fixture(scope="module")
