@@ -10,6 +10,7 @@ from dflash_mlx.bench.runner import check_parity
 from dflash_mlx.chat import apply_template
 from dflash_mlx.registry import default_pair
 from dflash_mlx.stats import Stats
+from support.tiers import slow_after
 from support.tui import SIZE, app_for, last_answer, send
 from tui.settings import ChatSettings
 from tui.turn import LOOKUP, TARGET
@@ -44,7 +45,7 @@ def test_demo_pair_answers_and_speculates(pair):
     assert stats.tau > 1.1, stats.as_dict()
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("prompt", slow_after(PROMPTS, keep=2, ids=PROMPTS))
 def test_demo_greedy_equals_ar(pair, prompt):
     """Greedy DFlash output is plain AR greedy output; a divergence may only be a near-tie
     (logit margin < 0.01 in float32) that batched verification is allowed to flip."""
@@ -69,6 +70,7 @@ def test_demo_tau_on_fixed_prompt(pair):
     assert stats.tau > 1.5, stats.as_dict()
 
 
+@pytest.mark.slow
 def test_cut_replay_equals_a_real_run(pair):
     """scripts/tune_min_confidence.py chooses the CPU's default cut by replaying greedy rounds
     from per-position draft records (dflash_mlx.bench.replay). The replay must give a real

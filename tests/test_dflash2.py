@@ -321,6 +321,7 @@ def test_chi_square_detects_a_broken_sampler(selector_draws, broken):
     assert p < 0.01
 
 
+@pytest.mark.slow
 def test_end_to_end_sampling_matches_the_target(small_pair):
     """Through stream_generate: the first two emitted tokens follow the target."""
     pair = small_pair

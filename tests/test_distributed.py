@@ -269,6 +269,7 @@ def _children(pid: int) -> list[int]:
     return [int(c) for c, p in rows if int(p) == pid]
 
 
+@pytest.mark.slow
 def test_serve_under_mlx_launch_answers_like_one_process(models, tmp_path):
     """`serve` on two ranks: rank 0 answers what one process answers (greedy, seeded sampling,
     streaming, a stop string, reused sessions, a client that hangs up mid-stream), and killing

@@ -357,6 +357,7 @@ def test_memory_is_flat_over_100_rounds(pair):
 
 # -- sampling: chi-square through stream_generate ----------------------------------------
 
+@pytest.mark.slow
 def test_sampling_on_a_hybrid_target_matches_the_target(tmp_path):
     """DFlash 2 draft + hybrid target at T>0: first two emitted tokens follow the target."""
     from support.dflash2 import MASK, PROMPT, T, V as SV

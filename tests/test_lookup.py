@@ -145,6 +145,7 @@ def _prompt_with_a_mid_lookup(pair, params) -> tuple[list[int], int]:
     raise AssertionError("no candidate with a mid probability")
 
 
+@pytest.mark.slow
 def test_sampling_with_a_lookup_slot_stays_exact(pair):
     params = SamplingParams(TEMP)
     prompt, cand = _prompt_with_a_mid_lookup(pair, params)

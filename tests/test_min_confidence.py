@@ -121,6 +121,7 @@ def test_greedy_is_exact_and_the_cut_follows_confidence(watched, block, prompt_s
     assert differ > 0  # and some of its rounds tell the joint cut from a per-slot one
 
 
+@pytest.mark.slow
 def test_sampling_stays_exact_with_the_cut(watched):
     """First token ~ p(·|prompt); the second, after the most frequent first token t,
     ~ p(·|prompt + t), over seeded runs where the draft's slots are cut at their median."""
@@ -144,6 +145,7 @@ def test_sampling_stays_exact_with_the_cut(watched):
     assert chi_square(after, target_rows(watched, PROMPT + [t], params, 1)[0]).ok
 
 
+@pytest.mark.slow
 def test_a_wrong_conditional_fails_the_same_check(watched):
     """Power: the second tokens checked against the row after another first token fail."""
     params = SamplingParams(TEMP)

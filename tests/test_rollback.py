@@ -23,6 +23,7 @@ from dflash_mlx.models.target import RollbackError, Target
 from dflash_mlx.utils import pair_from_models
 from support.engine import Oracle, OracleDraft, float32_pair, mlx_lm_greedy
 from support.stats import chi_square
+from support.tiers import slow_after
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW = 8
@@ -283,7 +284,7 @@ def sample_pits(pair, runs: int, seed: int = 0) -> np.ndarray:
     return np.concatenate(pits)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", slow_after(list(FAMILIES), ids=list(FAMILIES)))
 def test_sampled_tokens_follow_the_target_distribution(pairs, family):
     cells = np.minimum((sample_pits(pairs[family], 40) * 10).astype(int), 9)  # 10 equal bins
     res = chi_square(cells, np.full(10, 0.1))

@@ -30,6 +30,7 @@ from support.sampling import (
     run_function_case, target_rows,
 )
 from support.stats import ALPHA, binomial, chi_square
+from support.tiers import slow_after
 
 
 # ---------------------------------------------------------------- fixtures
@@ -54,7 +55,8 @@ def _assert_all_ok(results: dict):
 # ---------------------------------------------------------------- a. function level
 
 
-@pytest.mark.parametrize("case", FUNCTION_CASES, ids=[c.name for c in FUNCTION_CASES])
+@pytest.mark.parametrize("case", slow_after(FUNCTION_CASES, keep=2,
+                                             ids=[c.name for c in FUNCTION_CASES]))
 def test_rejection_sample_is_exact(target_pair, case):
     """Per case: the first emitted token follows row 0, slot 1 is accepted at rate p(d1)
     (Σ min(p, q) for a dense q), and after an accepted d1 the next token follows row 1."""
@@ -112,7 +114,7 @@ def engine_pair(dirs):
     return fixed_draft_pair(*dirs)
 
 
-@pytest.mark.parametrize("setting", list(ENGINE_CASES))
+@pytest.mark.parametrize("setting", slow_after(list(ENGINE_CASES), ids=list(ENGINE_CASES)))
 def test_stream_generate_first_token_is_exact(engine_pair, setting):
     params = SETTINGS[setting]
     results, _ = engine_check(engine_pair, setting)
@@ -123,6 +125,7 @@ def test_stream_generate_first_token_is_exact(engine_pair, setting):
     _assert_all_ok(results)
 
 
+@pytest.mark.slow
 def test_padded_verify_pass_samples_exactly(engine_pair):
     """A verify pass padded wider (doctor's `pads`) leaves the sampled distribution alone."""
     padded = SpeculationConfig.for_pair(engine_pair, verify_pad={2: 8})
