@@ -11,7 +11,7 @@ public `load`. For each prompt length C and each draft window:
   target verify pass of width B, each timed alone with its own `mx.eval`, at context C.
 
 Usage: python scripts/bench_context.py [--contexts 512 2048 8192 16384] [--windows none 1024]
-       [--shape tiny|small|qwen3-0.6b] [--rounds 8] [--json out.json]
+       [--shape tiny|small|qwen3-0.6b] [--rounds 8] [--prefill-repeats 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -104,23 +104,36 @@ def round_times(pair, session: Session, block: int, rounds: int) -> tuple[float,
 
 
 def run(args) -> list[dict]:
+    """Prefill: ours and mlx-lm's alternate `--prefill-repeats` times per context (medians), so
+    a machine's changing load hits both alike; then the rounds at that context."""
     rows = []
+    med = statistics.median
     with tempfile.TemporaryDirectory() as tmp:
         pair = make_pair(Path(tmp), args.shape, args.draft_layers,
                          max(args.contexts) + 64, args.quantize)
         for C in args.contexts:
             prompt = prompt_of(C + 1, C)
-            lm_s, lm_mb = timed_prefill(lambda: mlx_lm_prefill(pair.target.model, prompt))
+            lm = {"s": [], "mb": []}
+            ours = {w: {"s": [], "mb": []} for w in args.windows}
+            sessions = {}
+            for _ in range(args.prefill_repeats):
+                s, mb = timed_prefill(lambda: mlx_lm_prefill(pair.target.model, prompt))
+                lm["s"].append(s), lm["mb"].append(mb)
+                for w in args.windows:
+                    window = None if w == "none" else int(w)
+                    sessions.pop(w, None)
+                    session = Session.new(pair, SpeculationConfig(block_size=args.block,
+                                                                  draft_window=window))
+                    s, mb = timed_prefill(lambda: prefill(pair, session, prompt))
+                    ours[w]["s"].append(s), ours[w]["mb"].append(mb)
+                    sessions[w] = session
             for w in args.windows:
-                window = None if w == "none" else int(w)
-                session = Session.new(pair, SpeculationConfig(block_size=args.block,
-                                                              draft_window=window))
-                s, mb = timed_prefill(lambda: prefill(pair, session, prompt))
-                d, v = round_times(pair, session, args.block, args.rounds)
-                rows.append(dict(context=C, window=w, prefill_s=s, mlx_lm_prefill_s=lm_s,
-                                 peak_mb=mb, mlx_lm_peak_mb=lm_mb, draft_ms=1e3 * d,
-                                 verify_ms=1e3 * v))
-                del session
+                d, v = round_times(pair, sessions.pop(w), args.block, args.rounds)
+                rows.append(dict(context=C, window=w, prefill_s=med(ours[w]["s"]),
+                                 mlx_lm_prefill_s=med(lm["s"]), peak_mb=max(ours[w]["mb"]),
+                                 mlx_lm_peak_mb=max(lm["mb"]), draft_ms=1e3 * d,
+                                 verify_ms=1e3 * v, prefill_runs_s=ours[w]["s"],
+                                 mlx_lm_runs_s=lm["s"]))
     return rows
 
 
@@ -149,6 +162,8 @@ def main():
     ap.add_argument("--draft-layers", type=int, default=2)
     ap.add_argument("--block", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--prefill-repeats", type=int, default=3,
+                    help="prefills per context, ours and mlx-lm's alternating; medians")
     ap.add_argument("--json", help="also write the rows as JSON here")
     args = ap.parse_args()
     rows = run(args)

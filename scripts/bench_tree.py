@@ -136,6 +136,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budgets", default="8,16,32")
+    ap.add_argument("--blocks", default=None,
+                    help="block sizes, comma-separated (default: 5 and the draft's trained width)")
+    ap.add_argument("--no-plain", action="store_true",
+                    help="skip the path without lookup and cut (fewer settings, faster)")
     ap.add_argument("--cost-reps", type=int, default=15, help="timings per pass (the fastest)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     a = ap.parse_args()
@@ -145,16 +149,18 @@ def main() -> None:
         texts = ([t[0] for t in load_prompt_file(a.prompts)[1]] if a.prompts
                  else default_prompts(a.per_set))[: a.num_prompts]
         trained = pair.draft.config.block_size
-        defaults = {b: prepare.speculation(pair, loaded, b) for b in sorted({5, trained})}
+        blocks = [int(b) for b in a.blocks.split(",")] if a.blocks else sorted({5, trained})
+        defaults = {b: prepare.speculation(pair, loaded, b) for b in blocks}
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
     prompts = [apply_template(pair.tokenizer, [{"role": "user", "content": t}]) for t in texts]
     budgets = [int(b) for b in a.budgets.split(",")]
-    settings = {"AR": defaults[5].replace(block_size=1)}
+    settings = {"AR": defaults[blocks[0]].replace(block_size=1)}
     for b, cfg in defaults.items():
         settings[f"B{b} path"] = cfg
-        settings[f"B{b} path plain"] = cfg.replace(lookup=False, min_confidence=0.0)
+        if not a.no_plain:
+            settings[f"B{b} path plain"] = cfg.replace(lookup=False, min_confidence=0.0)
         for n in budgets:
             settings[f"B{b} tree {n}"] = cfg.replace(tree=n)
     print(f"{spec.target} + {spec.draft}: {len(prompts)} prompts, {a.max_tokens} tokens, "

@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
+from .block_attention import block_attention
 from .cache import ContextCache
 from .config import DraftConfig
 
@@ -78,7 +79,7 @@ class Attention(nn.Module):
         # the block's K/V go into the cache's free rows for this call only: no copy of the context
         keys, values = cache.with_block(kb, vb)
         mask = self._mask(L, cache)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        out = block_attention(q, keys, values, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def _mask(self, L: int, cache: "ContextCache") -> mx.array | None:
