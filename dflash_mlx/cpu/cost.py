@@ -27,6 +27,7 @@ WIDTHS = tuple(range(1, 9))
 # Tree verify widths (a tree of N nodes is one pass of N + 1 rows; `tree_budget.py`): only
 # `doctor` times them, so the first-use timing in `generate` stays as short as before.
 TREE_WIDTHS = (9, 17, 33, 65)
+TREE_ROUNDS = 3  # timed rounds of the tree widths (after one warm-up), each width's fastest kept
 DEFAULT_TAU = 3.0  # τ at block 5 assumed for the recommendation (Mac 4-bit reports: 2.9-3.4)
 TAU_BLOCK = 5
 # Pad a verify pass only where the wider one is clearly cheaper: repeat timings vary a few %.
@@ -119,10 +120,10 @@ def measure(pair: Pair, widths=WIDTHS, context: int = 256, repeats: int = 2,
     `spread`; or until `budget_s` seconds in all have passed (one round at least): the curve
     is then marked noisy if they still disagree (or only one round fitted).
 
-    `tree_widths` (wider than `widths`) ride along in the same rounds, target pass only (a
-    tree's draft pass is a path's). Their fastest round is kept but their spread is not
-    waited for: a wide pass is long, so its relative noise is small, and leftover noise only
-    makes a tree look dearer.
+    `tree_widths` (wider than `widths`) are timed after that, target pass only (a tree's draft
+    pass is a path's), in TREE_ROUNDS rounds of their own keeping each one's fastest: mixed
+    into the path's rounds, a 65-row pass just before a 1-row one made the path's timings
+    disagree by 8-14% on an idle machine, and leftover noise only makes a tree look dearer.
     """
     say = progress or (lambda _m: None)
     start = time.perf_counter()  # the budget counts the warm-up too: it is the user's wait
@@ -136,24 +137,28 @@ def measure(pair: Pair, widths=WIDTHS, context: int = 256, repeats: int = 2,
         d_cache = draft.make_cache()
         mask = draft.config.mask_token_id
         mx.eval(draft.propose(mx.array([[0, mask]]), taps, d_cache)[0])
-    wide = [w for w in tree_widths if w > max(widths)]
-    t_verify: dict[int, list[float]] = {w: [] for w in [*widths, *wide]}
+    t_verify: dict[int, list[float]] = {w: [] for w in widths}
     t_draft: dict[int, list[float]] = {w: [] for w in widths}
     worst = float("inf")
     for r in range(MAX_ROUNDS + 1):
-        _round(tgt, draft, cache, d_cache, taps, [*widths, *wide], widths, context, vocab,
+        _round(tgt, draft, cache, d_cache, taps, widths, context, vocab,
                t_verify if r else None, t_draft if r else None)
         elapsed = time.perf_counter() - start
         if r:
-            path = [t_verify[w] for w in widths] + list(t_draft.values())
-            worst = max(_spread(t) for t in path if t)
+            worst = max(_spread(t) for t in [*t_verify.values(), *t_draft.values()] if t)
             agree = "" if worst == float("inf") else f", rounds agree within {worst:.0%}"
             say(f"timing verify cost: round {r}{agree} ({elapsed:.0f} s)")
         # past the budget one timed round is enough: a busy machine's curve is noisy anyway
         if r >= 1 and elapsed >= budget_s or r >= max(repeats, 2) and worst <= spread:
             break
+    wide = [w for w in tree_widths if w > max(widths)]
+    t_wide: dict[int, list[float]] = {w: [] for w in wide}
+    for r in range(TREE_ROUNDS + 1 if wide else 0):
+        _round(tgt, None, cache, None, taps, wide, context, vocab, t_wide if r else None, None)
+        say(f"timing tree widths: round {r + 1} of {TREE_ROUNDS + 1}")
     step = min(t_verify[widths[0]])
-    verify = [round(min(t_verify[w]) / step, 4) for w in [*widths, *wide]]
+    verify = [round(min(t[w]) / step, 4) for t, ws in ((t_verify, widths), (t_wide, wide))
+              for w in ws]
     noisy = not worst <= spread
     if noisy:  # no padding: no wider pass counts as cheaper
         verify = [max(verify[: i + 1]) for i in range(len(verify))]
@@ -172,21 +177,19 @@ def measure(pair: Pair, widths=WIDTHS, context: int = 256, repeats: int = 2,
     )
 
 
-def _round(tgt, draft, cache, d_cache, taps, widths, draft_widths, context, vocab, t_verify,
-           t_draft) -> None:
-    """One pass at each width (and a draft pass up to the widest of `draft_widths`); times
-    appended unless this is the warm-up."""
+def _round(tgt, draft, cache, d_cache, taps, widths, context, vocab, t_verify, t_draft) -> None:
+    """One pass at each width (and a draft pass); times appended unless this is the warm-up."""
     for w in widths:
         ids = mx.random.randint(0, vocab, (1, w))
         mx.eval(ids)
         tic = time.perf_counter()
-        logits, t = tgt(ids, cache, taps=draft is not None and w > 1)
+        logits, t = tgt(ids, cache, taps=taps is not None and w > 1)
         mx.eval(mx.argmax(logits, axis=-1), t)
         elapsed = time.perf_counter() - tic
         tgt.truncate(cache, context)
         if t_verify is not None:
             t_verify[w].append(elapsed)
-        if draft is None or w < 2 or w > max(draft_widths):
+        if draft is None or w < 2:
             continue
         block = mx.array([[0] + [draft.config.mask_token_id] * (w - 1)])
         tic = time.perf_counter()

@@ -15,10 +15,16 @@ from dataclasses import dataclass
 from .cost import CostCurve
 
 BUDGETS = (8, 16, 32, 64)  # what `auto` chooses among (0: one path)
-# Policy: a tree may cost at most this much more per verify pass than the path. Its smallest
-# measured τ gain is 16% (8 nodes, demo pair); the draft's top-k and building the tree on the
-# host take a little of that, so 10% on the verify pass leaves the tree ahead.
+# Policy: a tree may cost at most this much more per verify pass than the narrowest path pass.
+# Its smallest measured τ gain is 16% (8 nodes, demo pair); the draft's top-k and building the
+# tree on the host take a little of that, so 10% on the verify pass leaves the tree ahead.
 MARGIN = 0.10
+# ... and the path pass it is compared with is the narrowest one, 2 rows, not B: where the
+# confidence cut runs (the CPU) a path verifies only the slots the draft is sure of, often
+# 2-3 rows, and those unsure rounds are the ones a tree would widen. On a flat (GPU) curve the
+# two comparisons agree. With B rows instead, this CPU's curve (9 rows 1.07x the path's 5)
+# let 8 nodes in, which ran 3% slower than the path on the bundled prompts (speculation.md).
+PATH_WIDTH = 2
 
 
 @dataclass(frozen=True)
@@ -27,23 +33,15 @@ class TreeChoice:
     why: str  # one line: the verify cost it compared
 
 
-def path_verify(curve: CostCurve, block: int) -> tuple[int, float]:
-    """(the width compared, its verify cost) for the path at `block`: as padded; a block past
-    the timed widths (z-lab's 16) counts as the widest timed one, which only makes a tree
-    look dearer."""
-    width = block if block in curve.widths else max(w for w in curve.widths if w <= block)
-    return width, curve.verify_at(width)
-
-
 def choose(curve: CostCurve | None, block: int) -> TreeChoice:
     """The largest budget in BUDGETS, at least the path's B - 1 nodes, whose verify pass of
-    N + 1 rows costs at most (1 + MARGIN) × the path's; else 0."""
+    N + 1 rows costs at most (1 + MARGIN) × the narrowest path pass (as padded); else 0."""
     if curve is None:
         return TreeChoice(0, "no verify-cost curve is cached for this model on this machine "
                           "(`dflash-mlx doctor --model M` measures one)")
     if block < 2:
         return TreeChoice(0, "no drafted tokens to branch (block size 1)")
-    width, path = path_verify(curve, block)
+    path = curve.verify_at(PATH_WIDTH)
     timed = [(n, v) for n in BUDGETS if n >= block - 1
              and (v := curve.verify_at(n + 1)) is not None]
     if not timed:
@@ -52,7 +50,7 @@ def choose(curve: CostCurve | None, block: int) -> TreeChoice:
     fits = [(n, v) for n, v in timed if v <= (1 + MARGIN) * path]
     n, v = fits[-1] if fits else timed[0]
     how = (f"a verify pass of {n + 1} rows costs {v:.2f}× a step, {v / path:.2f}× the "
-           f"path's {path:.2f}× at width {width}")
+           f"narrowest path pass's {path:.2f}× ({PATH_WIDTH} rows)")
     if fits and curve.noisy:  # a busy machine's timings may have flattered the wide pass
         return TreeChoice(0, f"{how}, but the timing was too noisy to trust (a busy machine); "
                           "`dflash-mlx doctor --remeasure` re-times it")
