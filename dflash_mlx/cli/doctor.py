@@ -106,6 +106,7 @@ def run(*, model, draft, no_draft, draft_bits, weights, shape, tau, repeats, con
     size and the tree budget it recommends."""
     from .. import machine as facts
     from ..cpu import cost
+    from ..tree_round import tree_unavailable
     from . import prepare
 
     _check(shape, tau, repeats, context, seconds)
@@ -117,7 +118,7 @@ def run(*, model, draft, no_draft, draft_bits, weights, shape, tau, repeats, con
     pair, key, subject, block = _subject(model, draft, no_draft, draft_bits, weights, shape, say)
     if remeasure:
         _forget(key if model is not None else None, say)
-    no_tree = _tree_unavailable(pair)
+    no_tree = tree_unavailable(pair)
     wide = () if no_tree else cost.TREE_WIDTHS
     if say:
         extra = f" and {', '.join(map(str, wide))} for trees" if wide else ""
@@ -185,12 +186,6 @@ def _forget(key, say) -> None:
         return
     if say:
         say(f"forgot {gone} cached verify-cost curve{'s' * (gone != 1)} of this machine")
-
-
-def _tree_unavailable(pair) -> str | None:
-    from ..tree_round import tree_unavailable
-
-    return tree_unavailable(pair)
 
 
 def _tree_choice(curve, block: int, no_tree: str | None):
