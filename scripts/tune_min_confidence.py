@@ -23,7 +23,8 @@ Three rules: `joint` (the engine's: keep slots while the product of their probab
 the slots that maximise the expected tokens per second under the timed passes, taking the
 draft's probabilities at their word; not in the engine).
 
-    python scripts/tune_min_confidence.py [--model M --draft D] [--items 3-7] [--block-size 5]
+    python scripts/tune_min_confidence.py [--model M --draft D] [--items 3-7 | --prompts FILE]
+        [--block-size 5]
         [--max-tokens 64] [--costs rounds|passes] [--no-pad-verify] [--json out.json]
         [--records out.json]
 """
@@ -42,7 +43,7 @@ import mlx.core as mx
 from dflash_mlx import registry, stream_generate
 from dflash_mlx.cli import prepare
 from dflash_mlx.bench.replay import keep_joint, record, replay  # keep_joint: the engine's rule
-from dflash_mlx.bench.runner import DATASETS, load_prompts
+from dflash_mlx.bench.runner import DATASETS, load_prompt_file, load_prompts
 from dflash_mlx.errors import DFlashError
 
 THRESHOLDS = (0.0, 0.03, 0.05, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
@@ -139,6 +140,18 @@ def _fail(message: str):
     raise SystemExit(2)
 
 
+def _items(a, lo: int, hi: int):
+    """(set, 1-based index, turns): items lo..hi of every bundled set, or all of --prompts."""
+    if a.prompts:
+        try:
+            items = load_prompt_file(a.prompts)[1]
+        except DFlashError as e:
+            _fail(str(e))
+        return [("file", i, turns) for i, turns in enumerate(items, start=1)]
+    return [(name, i, turns) for name in DATASETS
+            for i, turns in enumerate(load_prompts(name)[1][lo - 1: hi], start=lo)]
+
+
 def measure(a, lo: int, hi: int) -> tuple[dict, tuple[float, float, dict], dict]:
     """Records of items lo..hi of every bundled set, this machine's pass costs, and the
     verify widths the engine pads here."""
@@ -150,11 +163,11 @@ def measure(a, lo: int, hi: int) -> tuple[dict, tuple[float, float, dict], dict]
         _fail(str(e))
     encode = prepare.encoder(pair, {})
     records, firsts, last = {}, [], None
-    for name in DATASETS:
-        for i, turns in enumerate(load_prompts(name)[1][lo - 1: hi], start=lo):
-            last = encode([{"role": "user", "content": turns[0]}])
-            records[f"{name}#{i}"] = record(pair, last, a.block_size, a.max_tokens)
-            firsts += [last] if i == lo else []
+    for name, i, turns in _items(a, lo, hi):
+        last = encode([{"role": "user", "content": turns[0]}])
+        records[f"{name}#{i}"] = record(pair, last, a.block_size, a.max_tokens)
+        # the rounds that cost the passes: each set's first item, or a file's first six
+        firsts += [last] if (i == lo if name != "file" else i <= 6) else []
     config = prepare.speculation(pair, loaded)
     passes = costs(pair, config, last, a.block_size)
     if a.costs == "passes":
@@ -169,6 +182,8 @@ def main():
     ap.add_argument("--model")
     ap.add_argument("--draft")
     ap.add_argument("--items", default="3-7", help="1-based item range of each bundled set")
+    ap.add_argument("--prompts", help="a JSONL of prompts (first turns) instead of the bundled "
+                    "sets, e.g. a held-out source")
     ap.add_argument("--block-size", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", help="write the per-position records and the table here")

@@ -121,11 +121,32 @@ def test_unseen_set_is_frozen_and_shares_nothing_with_training_prompts():
     meta, items = load_prompt_file(path)
     assert meta["items"] == len(items) >= 60
 
-    def runs(text, n=8):
-        words = re.findall(r"\w+", text.lower())
-        return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
-
-    unseen = set().union(*(runs(t) for turns in items for t in turns))
+    unseen = set().union(*(_runs(t) for turns in items for t in turns))
     for written in sorted(folder.glob("written-*.jsonl")):
         for line in written.read_text().splitlines():
-            assert not runs(json.loads(line)["prompt"]) & unseen, written.name
+            assert not _runs(json.loads(line)["prompt"]) & unseen, written.name
+
+
+def test_heldout_source_is_frozen_and_apart_from_the_unseen_set_and_training():
+    """The source thresholds are chosen on (scripts/prompts/heldout-v1.jsonl): the file its
+    hash names, sharing no 8-word run with the reporting set, the training prompts or a
+    bundled benchmark item."""
+    folder = Path(__file__).parent.parent / "scripts" / "prompts"
+    path = folder / "heldout-v1.jsonl"
+    documented = re.search(r"`heldout-v1\.jsonl`.*?sha256 `([0-9a-f]{64})`",
+                           (folder / "README.md").read_text(), re.S)[1]
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == documented
+    held = set().union(*(_runs(t) for turns in load_prompt_file(path)[1] for t in turns))
+    others = [t for turns in load_prompt_file(folder / "unseen-v1.jsonl")[1] for t in turns]
+    for written in sorted(folder.glob("written-*.jsonl")):
+        others += [json.loads(line)["prompt"] for line in written.read_text().splitlines()]
+    others += [t for name in DATASETS for turns in load_prompts(name)[1] for t in turns]
+    others += chat_prompts(2000, seed=0)  # the trainer's own generated requests
+    assert len(others) > 3500 and len(held) > 200
+    clash = [t[:60] for t in others if _runs(t) & held]
+    assert not clash, clash
+
+
+def _runs(text: str, n: int = 8) -> set:
+    words = re.findall(r"\w+", text.lower())
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
