@@ -57,7 +57,7 @@ def main():
     ap.add_argument("--train-minutes", type=float, default=4.0)
     ap.add_argument("--steps", type=int, default=0,
                     help="a fixed step count instead of fitting the schedule to --train-minutes")
-    ap.add_argument("--init", type=Path, default=Path(dflash_mlx.__file__).parent / "demo_draft")
+    ap.add_argument("--init", type=Path, default=Path(dflash_mlx.__file__).parent / "demo" / "draft")
     ap.add_argument("--seed", type=int, default=7, help="first chat_prompts seed (3-6: stages 2-6)")
     ap.add_argument("--chunk", type=int, default=2048, help="prompts per chat_prompts seed")
     ap.add_argument("--batch", type=int, default=512)
