@@ -100,8 +100,8 @@ def main():
         answers = [tok.decode(s.sequence(i)[0][s.answer_start(i):].tolist())
                    for s in load_shards(Path(tmp)) for i in range(s.num_sequences)]
     apart, seen, rows = kept_apart(), set(), []
+    eos = tok.eos_token or "<|im_end|>"
     for answer in answers:
-        eos = tok.eos_token or "<|im_end|>"
         text = clean(answer.split(eos)[0])
         if text is None or text.lower() in seen or runs(text) & apart:
             continue

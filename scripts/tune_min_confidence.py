@@ -141,14 +141,15 @@ def _fail(message: str):
 
 
 def _items(a, lo: int, hi: int):
-    """(set, 1-based index, turns): items lo..hi of every bundled set, or all of --prompts."""
+    """(key, turns, timed): items lo..hi of every bundled set, or all of --prompts; `timed`
+    marks the items whose real rounds cost the passes (each set's first, a file's first six)."""
     if a.prompts:
         try:
             items = load_prompt_file(a.prompts)[1]
         except DFlashError as e:
             _fail(str(e))
-        return [("file", i, turns) for i, turns in enumerate(items, start=1)]
-    return [(name, i, turns) for name in DATASETS
+        return [(f"file#{i}", turns, i <= 6) for i, turns in enumerate(items, start=1)]
+    return [(f"{name}#{i}", turns, i == lo) for name in DATASETS
             for i, turns in enumerate(load_prompts(name)[1][lo - 1: hi], start=lo)]
 
 
@@ -163,11 +164,10 @@ def measure(a, lo: int, hi: int) -> tuple[dict, tuple[float, float, dict], dict]
         _fail(str(e))
     encode = prepare.encoder(pair, {})
     records, firsts, last = {}, [], None
-    for name, i, turns in _items(a, lo, hi):
+    for key, turns, timed in _items(a, lo, hi):
         last = encode([{"role": "user", "content": turns[0]}])
-        records[f"{name}#{i}"] = record(pair, last, a.block_size, a.max_tokens)
-        # the rounds that cost the passes: each set's first item, or a file's first six
-        firsts += [last] if (i == lo if name != "file" else i <= 6) else []
+        records[key] = record(pair, last, a.block_size, a.max_tokens)
+        firsts += [last] if timed else []
     config = prepare.speculation(pair, loaded)
     passes = costs(pair, config, last, a.block_size)
     if a.costs == "passes":

@@ -263,9 +263,9 @@ def _alive(pid: int) -> bool:
     return bool(ps.stdout.strip()) and not ps.stdout.strip().startswith("Z")
 
 
-def _refused(port: int) -> bool:
+def _refused(host: str, port: int) -> bool:
     try:
-        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        socket.create_connection((host, port), timeout=2).close()
     except OSError:
         return True
     return False
@@ -351,7 +351,7 @@ def test_serve_under_mlx_launch_answers_like_one_process(models, tmp_path):
         # the port closes with rank 0 (a kernel may release a dead process's sockets a moment
         # after `ps` shows it gone, so allow a few seconds)
         try:
-            ss.wait_for(lambda: _refused(port), 10, step=0.2)
+            ss.wait_for(lambda: _refused(ss.HOST, port), 10, step=0.2)
         except AssertionError:
             ps = subprocess.run(["ps", "-A", "-o", "pid,ppid,stat,args"], capture_output=True,
                                 text=True).stdout
