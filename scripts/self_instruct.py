@@ -90,6 +90,11 @@ def main():
     if a.rounds < 1 or not 0 < a.temperature <= 2:
         print("error: --rounds must be at least 1 and --temperature in (0, 2]", file=sys.stderr)
         raise SystemExit(2)
+    try:  # before ten minutes of generation, not after
+        a.out.touch()
+    except OSError as e:
+        print(f"error: cannot write {a.out} ({e.strerror or e})", file=sys.stderr)
+        raise SystemExit(2) from None
     target, tok = load_demo_feature_target()
     tic = time.time()
     with tempfile.TemporaryDirectory() as tmp:
