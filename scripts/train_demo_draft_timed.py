@@ -100,7 +100,7 @@ def main():
                      head_ids=head_ids, eval_every=args.eval_every, checkpoint_every=args.eval_every,
                      eval_blocks=4096, seed=args.seed)
     # the trainer's own held-out blocks, scored before any step: the start's τ
-    tau0, _ = heldout_tau(draft, heldout_batches(held, draft.config, tc), tc.eval_block_size)
+    tau0, _ = heldout_tau(draft, heldout_batches(held, draft.config, tc.eval_blocks, tc.seed + 1), tc.eval_block_size)
     walk0 = walk_tau(draft, held, tc.eval_block_size)
     log(f"start ({args.init.name}): held-out τ@{tc.eval_block_size} {tau0:.3f} per block, "
         f"{walk0:.3f} decoding (full head)")

@@ -427,7 +427,7 @@ def test_walked_rounds_are_the_engines_rounds(trained):
     import numpy as np
 
     from dflash_mlx.utils import pair_from_models
-    from dflash_mlx.train.eval import walk_runs, walk_tau
+    from dflash_mlx.train.eval import walk_counts, walk_runs, walk_tau
     from dflash_mlx.train.data import FeatureShard
 
     pair, draft = trained["pair"], trained["draft"]
@@ -449,5 +449,22 @@ def test_walked_rounds_are_the_engines_rounds(trained):
         checked += sum(runs)
         shard = FeatureShard(np.array(seq, np.int32), preds.astype(np.int32), taps,
                              np.array([0, len(seq)]), np.array([len(prompt)]))
+        assert walk_counts(draft, [shard], 5) == [(sum(runs), len(runs))]  # per answer
         assert walk_tau(draft, [shard], 5) == 1 + np.mean(runs)
     assert checked > 0  # some drafted tokens were accepted: the comparison is not all zeros
+
+
+def test_heldout_batches_are_distinct_draws_and_repeat_per_seed(trained):
+    """Scoring N blocks means N different blocks: one seeded sampler draws every batch (a
+    sampler re-made per batch scored the same 64 blocks over and over)."""
+    import numpy as np
+
+    from dflash_mlx.train.eval import heldout_batches
+
+    cfg = trained["draft"].config
+    first = heldout_batches(trained["held"], cfg, 256, seed=7)
+    assert len(first) == 4
+    anchors = [np.array(b[3]).tolist() for b in first]
+    assert len({tuple(a) for a in anchors}) == 4
+    again = heldout_batches(trained["held"], cfg, 256, seed=7)
+    assert [np.array(b[3]).tolist() for b in again] == anchors

@@ -16,15 +16,14 @@ import mlx.core as mx
 import numpy as np
 
 from .blocks import BlockSampler, block_labels, packed_hidden
-from .config import TrainConfig
 from .data import FeatureShard
 
 
-def heldout_batches(shards: list[FeatureShard], draft_config, cfg: TrainConfig) -> list:
-    """The held-out blocks every evaluation scores: the same anchors (seed + 1) each time, so
-    the τ curve is comparable."""
-    evals = BlockSampler(shards, draft_config.block_size, draft_config.mask_token_id, cfg.seed + 1)
-    return [evals.batch(8, 8) for _ in range(max(1, cfg.eval_blocks // 64))]
+def heldout_batches(shards: list[FeatureShard], draft_config, blocks: int, seed: int) -> list:
+    """About `blocks` held-out blocks in batches of 64, drawn by one seeded sampler: the same
+    anchors for the same seed, so τ curves and drafts are comparable."""
+    evals = BlockSampler(shards, draft_config.block_size, draft_config.mask_token_id, seed)
+    return [evals.batch(8, 8) for _ in range(max(1, blocks // 64))]
 
 
 def heldout_tau(draft, batches: list, block_size: int) -> tuple[float, list[float]]:
@@ -74,11 +73,21 @@ def walk_runs(draft, tokens: np.ndarray, preds: np.ndarray, taps: np.ndarray, st
     return runs
 
 
-def walk_tau(draft, shards: list[FeatureShard], block_size: int, max_sequences: int = 16) -> float:
-    """Mean tokens per round (accepted + bonus) walking the first `max_sequences` answers."""
-    rounds = []
+def walk_counts(draft, shards: list[FeatureShard], block_size: int,
+                max_sequences: int | None = None) -> list[tuple[int, int]]:
+    """(accepted draft tokens, rounds) walking each stored answer, the first `max_sequences`
+    (None: all): per answer, so a comparison of drafts can resample whole answers."""
     seqs = [(s, i) for s in shards for i in range(s.num_sequences)][:max_sequences]
+    counts = []
     for s, i in seqs:
         tokens, preds, taps = s.sequence(i)
-        rounds += walk_runs(draft, tokens, preds, taps, max(1, s.answer_start(i) - 1), block_size)
-    return 1 + float(np.mean(rounds)) if rounds else float("nan")
+        runs = walk_runs(draft, tokens, preds, taps, max(1, s.answer_start(i) - 1), block_size)
+        counts.append((sum(runs), len(runs)))
+    return counts
+
+
+def walk_tau(draft, shards: list[FeatureShard], block_size: int, max_sequences: int = 16) -> float:
+    """Mean tokens per round (accepted + bonus) walking the first `max_sequences` answers."""
+    counts = walk_counts(draft, shards, block_size, max_sequences)
+    rounds = sum(r for _, r in counts)
+    return 1 + sum(a for a, _ in counts) / rounds if rounds else float("nan")

@@ -177,7 +177,7 @@ def train(draft: DFlashDraftModel, train_shards: list[FeatureShard],
     dc = draft.config
     B = dc.block_size
     sampler = BlockSampler(train_shards, B, dc.mask_token_id, cfg.seed)
-    eval_batches = heldout_batches(heldout_shards, dc, cfg)
+    eval_batches = heldout_batches(heldout_shards, dc, cfg.eval_blocks, cfg.seed + 1)
     weights = position_weights(B, cfg.decay)
     out_dir = Path(out_dir)
     rows = None
