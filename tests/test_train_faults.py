@@ -107,6 +107,8 @@ BAD_PATHS = [
     ("init-not-a-draft", lambda t: (t / "out", ["--init", str(t)]), "not a draft folder"),
     ("resume-nothing", lambda t: (t / "out", ["--resume"]), "holds no checkpoint to resume"),
     ("resume-out-missing", lambda t: (t / "nowhere", ["--resume"]), "no checkpoint to resume"),
+    ("heldout-features-empty", lambda t: (t / "out", ["--heldout-features", str(t)]),
+     "no feature shards"),
 ]
 
 
@@ -124,6 +126,26 @@ def test_bad_path_is_one_line(case, data, tmp_path):
     one_error_line(r, expected)
     if before is not None:
         assert out.read_bytes() == before  # a file in the way is left alone
+
+
+def test_heldout_features_hold_out_a_whole_source(data, tmp_path):
+    """--heldout-features: every training sequence trains and τ is scored on the other folder;
+    features recorded at other target layers than the draft reads are one line, exit 2."""
+    import shutil
+
+    _, held = tiny_features(tmp_path / "h", sequences=5, length=30)
+    r = runner.invoke(app, train_args(*data, tmp_path / "out", "--heldout-features", held))
+    assert r.exit_code == 0, r.output
+    assert "training on 960 tokens, 150 held out" in " ".join(r.stderr.split())  # 24×40, 5×30
+    moved = tmp_path / "moved"
+    shutil.copytree(held, moved)
+    taps = json.loads((moved / "features.json").read_text())
+    (moved / "features.json").write_text(json.dumps({**taps, "tap_ids": [0]}))
+    for flag in ("--heldout-features", "--features"):
+        args = train_args(*data, tmp_path / flag.strip("-"), flag, moved)
+        if flag == "--features":  # the last --features given wins
+            del args[args.index("--features"):args.index("--features") + 2]
+        one_error_line(runner.invoke(app, args), f"{flag} {moved}: recorded at target layers [0]")
 
 
 @pytest.fixture

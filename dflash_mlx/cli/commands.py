@@ -137,6 +137,9 @@ def train_draft(
     seqs: Annotated[int, typer.Option(help="Sequences per optimizer step.")] = 2,
     anchors: Annotated[int, typer.Option(help="Blocks per sequence per step.")] = 24,
     heldout: Annotated[int, typer.Option(help="Sequences held out for the τ estimate.")] = 24,
+    heldout_features: Annotated[Optional[Path], typer.Option(
+        help="Score held-out τ on this feature folder (answers to prompts of a source the "
+             "training data lacks) instead of --heldout sequences of the training data.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from OUT's checkpoint.")] = False,
     init: Annotated[Optional[Path], typer.Option(
         help="Start from this draft's weights (fine-tune); its depth and block size are kept.")] = None,
@@ -160,7 +163,8 @@ def train_draft(
                   layers=layers, block_size=block_size, steps=steps, lr=lr, heldout=heldout,
                   seqs=seqs, anchors=anchors, minutes=minutes,
                   resume=resume, seed=seed, weights=weights, vocab=vocab,
-                  restricted_loss=restricted_loss, init=init, soft_labels=soft_labels)
+                  restricted_loss=restricted_loss, init=init, soft_labels=soft_labels,
+                  heldout_features=heldout_features)
 
 
 @app.command("fetch-demo")

@@ -45,8 +45,7 @@ def build_features(pair, out: Path, *, prompts: int, max_tokens: int, batch: int
 def write_vocab(draft, out: Path, shards, held, size: int, trained_through: bool) -> None:
     """Ship a restricted proposal head (draft_vocab.json) and report what it costs in τ."""
     from ..models import draft_vocab
-    from .blocks import BlockSampler
-    from .eval import heldout_tau
+    from .eval import heldout_batches, heldout_tau
 
     if trained_through:  # the trainer already wrote the ids its loss went through
         ids, coverage = draft_vocab.read_with_coverage(out)
@@ -56,8 +55,7 @@ def write_vocab(draft, out: Path, shards, held, size: int, trained_through: bool
         draft_vocab.save(out, ids, coverage, f"top {size} target predictions of the training data")
     draft.restrict_head(None)
     cfg = draft.config
-    batches = [BlockSampler(held, cfg.block_size, cfg.mask_token_id, 7).batch(8, 8)
-               for _ in range(8)]
+    batches = heldout_batches(held, cfg, 512, seed=7)
     width = min(5, cfg.block_size)
     full, _ = heldout_tau(draft, batches, width)
     draft.restrict_head(ids)
@@ -153,7 +151,7 @@ def run(model: str | None, out: Path, *, features: Path | None, prompts: int, ma
         steps: int, lr: float, heldout: int, resume: bool, seed: int, weights: str,
         vocab: int = 8192, restricted_loss: bool = True, seqs: int = 2,
         anchors: int = 24, init: Path | None = None, soft_labels: float = 0.0,
-        minutes: float = 0.0) -> None:
+        minutes: float = 0.0, heldout_features: Path | None = None) -> None:
     """`train-draft`. A failure to write (a full disk) ends in one line, with what was
     written kept: feature shards, the last checkpoint."""
     check_args(prompts=prompts, max_tokens=max_tokens, batch=batch,
@@ -161,6 +159,9 @@ def run(model: str | None, out: Path, *, features: Path | None, prompts: int, ma
                steps=steps, minutes=minutes, lr=lr, seqs=seqs, anchors=anchors, heldout=heldout,
                vocab=vocab, soft_labels=soft_labels, seed=seed, weights=weights)
     check_paths(out, features, texts, init, resume, steps)
+    if heldout_features is not None and not list(Path(heldout_features).glob("shard_*.npz")):
+        raise InvalidArgumentError(f"--heldout-features {heldout_features}: no feature shards "
+                                   "(shard_*.npz) there")
     if model is None:
         from ..registry import default_pair
 
@@ -173,7 +174,7 @@ def run(model: str | None, out: Path, *, features: Path | None, prompts: int, ma
     from ..utils import check_pair, load, load_draft
     from .config import TrainConfig
     from .trainer import TrainingStoppedError, new_draft_config, pick_mask_token, train
-    from .data import load_shards, split_heldout
+    from .data import feature_taps, load_shards, split_heldout
 
     console.print(f"loading target {model}")
     pair = load(model, None, weights=weights)
@@ -201,7 +202,15 @@ def run(model: str | None, out: Path, *, features: Path | None, prompts: int, ma
                 f"shard{'s' * (kept != 1)} written are kept (a rerun trains on them; empty the "
                 "folder to build them all again)") from None
         console.print(f"features: {n} tokens in {time.perf_counter() - tic:.0f}s → {features}")
-    shards, held = split_heldout(load_shards(features), heldout)
+    for flag, folder in (("--features", features), ("--heldout-features", heldout_features)):
+        taps = feature_taps(folder) if folder is not None else None
+        if taps is not None and taps != cfg.target_layer_ids:  # other taps: other features
+            raise InvalidArgumentError(f"{flag} {folder}: recorded at target layers {taps}, the "
+                                       f"draft reads {cfg.target_layer_ids}")
+    if heldout_features is None:
+        shards, held = split_heldout(load_shards(features), heldout)
+    else:  # held out by source: every training sequence trains
+        shards, held = load_shards(features), load_shards(heldout_features)
     n_train = sum(len(s.tokens) for s in shards)
     console.print(f"training on {n_train} tokens, {sum(len(h.tokens) for h in held)} held out; "
                   f"draft: {layers} layers, block {block_size}, mask id {cfg.mask_token_id}, "

@@ -206,6 +206,14 @@ def load_shards(folder: Path) -> list[FeatureShard]:
     return shards
 
 
+def feature_taps(folder: Path) -> list[int] | None:
+    """The target layers a feature folder's taps were recorded at (None: not recorded)."""
+    try:
+        return list(json.loads((Path(folder) / "features.json").read_text())["tap_ids"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def split_heldout(shards: list[FeatureShard], n_sequences: int) -> tuple[list, list]:
     """Hold out the last `n_sequences` sequences (never trained on), across shards if need be."""
     train, held, need = list(shards), [], n_sequences
