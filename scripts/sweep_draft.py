@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import dflash_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx)
+from dflash_mlx.errors import DFlashError
 
 import mlx.core as mx
 import numpy as np
@@ -68,7 +69,7 @@ def train(name: str, args, extra: list[str]) -> None:
         rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT,
                              env={**os.environ, "COLUMNS": "200"})
     if rc:
-        sys.exit(f"error: {name} failed (exit {rc}); see {args.out / (name + '.log')}")
+        fail(f"{name} failed (exit {rc}); see {args.out / (name + '.log')}")
 
 
 def score(folder: Path, target, held, block: int) -> dict:
@@ -88,23 +89,29 @@ def score(folder: Path, target, held, block: int) -> dict:
 
 
 def table(results: dict, seed: int) -> list[dict]:
-    names = list(results)
-    acc = {n: np.array([a for a, _ in results[n]["per_answer"]], float) for n in names}
-    answers = len(results[names[0]]["per_answer"])
+    """A row per draft: τ pooled over rounds (what a benchmark of these answers reads) and its
+    paired difference from the first draft, the same answer resamples for every draft."""
+    counts = {n: np.array(r["per_answer"], float) for n, r in results.items()}  # (accepted, rounds)
+    first = next(iter(counts))
+    answers = len(counts[first])
     picks = np.random.default_rng(seed).integers(0, answers, size=(RESAMPLES, answers))
 
-    def tau(n, idx=slice(None)):  # pooled over rounds: what a benchmark of these answers reads
-        r = np.array([r for _, r in results[n]["per_answer"]], float)  # the variant's own rounds
-        return 1 + acc[n][idx].sum(-1) / r[idx].sum(-1)
+    def tau(n, idx=slice(None)):
+        return 1 + counts[n][idx, 0].sum(-1) / counts[n][idx, 1].sum(-1)
 
     rows = []
-    for n in names:
-        diff = tau(n, picks) - tau(names[0], picks)
+    for n in counts:
+        diff = tau(n, picks) - tau(first, picks)
         rows.append({"variant": n, "walk_tau": float(tau(n)), "per_block_tau": results[n]["per_block"],
-                     "delta": float(tau(n) - tau(names[0])),
+                     "delta": float(tau(n) - tau(first)),
                      "delta_95": [float(np.percentile(diff, 2.5)), float(np.percentile(diff, 97.5))],
                      "steps": results[n].get("steps")})
     return rows
+
+
+def fail(message: str):
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def main():
@@ -124,7 +131,7 @@ def main():
     extra = [a for a in extra if a != "--"]
     for flag, folder in (("--features", args.features), ("--heldout-features", args.heldout_features)):
         if not list(folder.glob("shard_*.npz")):
-            ap.error(f"{flag} {folder}: no feature shards (shard_*.npz) there")
+            fail(f"{flag} {folder}: no feature shards (shard_*.npz) there")
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.score_only:
         for name in args.variants:
@@ -142,16 +149,20 @@ def main():
         target = load_demo_feature_target()[0]
     held = load_shards(args.heldout_features)
     results = {}
-    drafts = [(n, args.out / n) for n in args.variants] + [("/".join(r.parts[-2:]), r) for r in args.reference]
+    drafts = [(n, args.out / n) for n in args.variants]
+    drafts += [("/".join(r.parts[-2:]), r) for r in args.reference]
     for name, folder in drafts:
-        results[name] = score(folder, target, held, args.block_size)
+        try:
+            results[name] = score(folder, target, held, args.block_size)
+        except (DFlashError, OSError) as e:  # a variant not trained yet, a wrong --reference
+            fail(f"{folder}: {e}")
         state = folder / "trainer" / "state.json"
         if state.is_file():
             results[name]["steps"] = json.loads(state.read_text()).get("step")
     rows = table(results, args.seed)
     (args.out / "sweep.json").write_text(json.dumps(
         {"minutes": args.minutes, "block_size": args.block_size, "extra": extra, "rows": rows,
-         "answers": len(results[args.variants[0]]["per_answer"])}, indent=2))
+         "answers": sum(s.num_sequences for s in held)}, indent=2))
     print(f"{'variant':<12} {'steps':>6} {'τ walk':>7} {'Δ':>7} {'95% of Δ':>17} {'τ/block':>8}")
     for r in rows:
         lo, hi = r["delta_95"]

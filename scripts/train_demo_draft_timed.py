@@ -25,7 +25,7 @@ from dflash_mlx.utils import check_pair, load_draft
 from dflash_mlx.train.config import TrainConfig
 from dflash_mlx.train.trainer import train
 from dflash_mlx.train.data import load_shards, self_distill_features, split_heldout
-from dflash_mlx.train.eval import heldout_batches, heldout_tau, walk_tau
+from dflash_mlx.train.eval import heldout_tau, run_batches, walk_tau
 from dflash_mlx.train.prompts import chat_prompts
 
 
@@ -100,7 +100,7 @@ def main():
                      head_ids=head_ids, eval_every=args.eval_every, checkpoint_every=args.eval_every,
                      eval_blocks=4096, seed=args.seed)
     # the trainer's own held-out blocks, scored before any step: the start's τ
-    tau0, _ = heldout_tau(draft, heldout_batches(held, draft.config, tc.eval_blocks, tc.seed + 1), tc.eval_block_size)
+    tau0, _ = heldout_tau(draft, run_batches(held, draft.config, tc), tc.eval_block_size)
     walk0 = walk_tau(draft, held, tc.eval_block_size)
     log(f"start ({args.init.name}): held-out τ@{tc.eval_block_size} {tau0:.3f} per block, "
         f"{walk0:.3f} decoding (full head)")

@@ -107,7 +107,7 @@ def _writable_folder(path: Path, flag: str) -> None:
 
 
 def check_paths(out: Path, features: Path | None, texts: list[Path], init: Path | None,
-                resume: bool, steps: int) -> None:
+                resume: bool, steps: int, heldout_features: Path | None = None) -> None:
     """The input files exist, the output folders take files, and `--resume` has a checkpoint
     to continue from."""
     from .trainer import checkpoint_step
@@ -115,6 +115,9 @@ def check_paths(out: Path, features: Path | None, texts: list[Path], init: Path 
     for t in texts:
         if not t.is_file():
             raise InvalidArgumentError(f"--text {t}: no such file")
+    if heldout_features is not None and not list(Path(heldout_features).glob("shard_*.npz")):
+        raise InvalidArgumentError(f"--heldout-features {heldout_features}: no feature shards "
+                                   "(shard_*.npz) there")
     if init is not None and not (Path(init) / "config.json").is_file():
         raise InvalidArgumentError(f"--init {init}: not a draft folder (no config.json)")
     if out.exists() and not out.is_dir():
@@ -158,10 +161,7 @@ def run(model: str | None, out: Path, *, features: Path | None, prompts: int, ma
                sampled_fraction=sampled_fraction, layers=layers, block_size=block_size,
                steps=steps, minutes=minutes, lr=lr, seqs=seqs, anchors=anchors, heldout=heldout,
                vocab=vocab, soft_labels=soft_labels, seed=seed, weights=weights)
-    check_paths(out, features, texts, init, resume, steps)
-    if heldout_features is not None and not list(Path(heldout_features).glob("shard_*.npz")):
-        raise InvalidArgumentError(f"--heldout-features {heldout_features}: no feature shards "
-                                   "(shard_*.npz) there")
+    check_paths(out, features, texts, init, resume, steps, heldout_features)
     if model is None:
         from ..registry import default_pair
 
@@ -204,7 +204,7 @@ def run(model: str | None, out: Path, *, features: Path | None, prompts: int, ma
         console.print(f"features: {n} tokens in {time.perf_counter() - tic:.0f}s → {features}")
     for flag, folder in (("--features", features), ("--heldout-features", heldout_features)):
         taps = feature_taps(folder) if folder is not None else None
-        if taps is not None and taps != cfg.target_layer_ids:  # other taps: other features
+        if taps not in (None, cfg.target_layer_ids):  # other taps: other features
             raise InvalidArgumentError(f"{flag} {folder}: recorded at target layers {taps}, the "
                                        f"draft reads {cfg.target_layer_ids}")
     if heldout_features is None:

@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from .blocks import BlockSampler, block_labels, packed_hidden
+from .config import TrainConfig
 from .data import FeatureShard
 
 
@@ -24,6 +25,11 @@ def heldout_batches(shards: list[FeatureShard], draft_config, blocks: int, seed:
     anchors for the same seed, so τ curves and drafts are comparable."""
     evals = BlockSampler(shards, draft_config.block_size, draft_config.mask_token_id, seed)
     return [evals.batch(8, 8) for _ in range(max(1, blocks // 64))]
+
+
+def run_batches(shards: list[FeatureShard], draft_config, cfg: TrainConfig) -> list:
+    """The blocks every evaluation of a training run scores (seed + 1: apart from training's)."""
+    return heldout_batches(shards, draft_config, cfg.eval_blocks, cfg.seed + 1)
 
 
 def heldout_tau(draft, batches: list, block_size: int) -> tuple[float, list[float]]:

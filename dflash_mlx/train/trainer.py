@@ -29,7 +29,7 @@ from ..files import write_all_atomic
 from .blocks import BlockSampler, packed_hidden
 from .config import TrainConfig
 from .data import FeatureShard
-from .eval import heldout_batches, heldout_tau, walk_tau
+from .eval import heldout_tau, run_batches, walk_tau
 
 
 @dataclass
@@ -177,7 +177,7 @@ def train(draft: DFlashDraftModel, train_shards: list[FeatureShard],
     dc = draft.config
     B = dc.block_size
     sampler = BlockSampler(train_shards, B, dc.mask_token_id, cfg.seed)
-    eval_batches = heldout_batches(heldout_shards, dc, cfg.eval_blocks, cfg.seed + 1)
+    eval_batches = run_batches(heldout_shards, dc, cfg)
     weights = position_weights(B, cfg.decay)
     out_dir = Path(out_dir)
     rows = None
