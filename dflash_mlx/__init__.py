@@ -25,7 +25,7 @@ _PUBLIC = {
     "BlockEvent": ".generate",
     "Session": ".generate",
     "stream_generate": ".generate",
-    "SpeculationConfig": ".proposal",
+    "SpeculationConfig": ".speculate",
     "Pair": ".utils",
     "load": ".utils",
     "pair_from_models": ".utils",
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from .errors import DFlashError
     from .generate import BlockEvent, Session, stream_generate
     from .models.config import DraftConfig
-    from .proposal import SpeculationConfig
+    from .speculate import SpeculationConfig
     from .utils import Pair, load, pair_from_models
 
 

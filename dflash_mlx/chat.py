@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from .generate import BlockEvent, Session, stream_generate
-from .proposal import SpeculationConfig
+from .speculate import SpeculationConfig
 from .errors import InvalidArgumentError
 
 # How a registry entry passes its reasoning level to the chat template.

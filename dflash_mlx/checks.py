@@ -10,51 +10,17 @@ a silently altered prompt gives an answer to a question nobody asked.
 
 from __future__ import annotations
 
-import math
 import re
 
 from .errors import InvalidArgumentError
-from .sample_utils import SamplingParams
-
-MAX_SEED = 2**64 - 1  # mx.random.key takes a uint64
-LOOKUP_MAX_BLOCK = 16  # a lookup continuation longer than this rarely holds to its end
-
-
-def _check_args(pair, block_size: int, max_tokens: int, params: SamplingParams,
-                lookup_only: bool = False):
-    if block_size < 1:
-        raise InvalidArgumentError(f"block size must be at least 1, got {block_size}")
-    if block_size > LOOKUP_MAX_BLOCK and lookup_only:
-        raise InvalidArgumentError(f"block size {block_size} is above {LOOKUP_MAX_BLOCK}, the "
-                                   "widest draft-free lookup block")
-    if block_size > 1 and not lookup_only:
-        if pair.draft is None:
-            raise InvalidArgumentError("block size > 1 needs a draft model (this pair has none)")
-        trained = pair.draft.config.block_size
-        if block_size > trained:
-            raise InvalidArgumentError(
-                f"block size {block_size} is above the draft's trained block size {trained}"
-            )
-    if max_tokens < 1:
-        raise InvalidArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
-    if not 0 <= params.temperature < math.inf:  # NaN fails this too
-        raise InvalidArgumentError(f"temperature must be ≥ 0 and finite, got {params.temperature}")
-    if not 0 < params.top_p <= 1:
-        raise InvalidArgumentError(f"top_p must be in (0, 1], got {params.top_p}")
-    if params.top_k < 0:
-        raise InvalidArgumentError(f"top_k must be ≥ 0, got {params.top_k}")
-
-
-def _check_seed(seed: int | None) -> None:
-    if seed is not None and not 0 <= seed <= MAX_SEED:
-        raise InvalidArgumentError(f"seed must be between 0 and 2**64-1, got {seed}")
+from .speculate.sampling import SamplingParams, check_max_tokens
 
 
 def check_sampling(max_tokens: int, temp: float, top_p: float, top_k: int,
                    seed: int | None) -> dict:
-    """stream_generate's sampling kwargs, validated with the engine's own checks."""
-    _check_args(None, 1, max_tokens, SamplingParams(float(temp), float(top_p), int(top_k)))
-    _check_seed(seed)
+    """stream_generate's sampling kwargs, validated by `SamplingParams` itself."""
+    SamplingParams(temp, top_p, top_k, seed)
+    check_max_tokens(max_tokens)
     return {"max_tokens": max_tokens, "temperature": temp, "top_p": top_p, "top_k": top_k,
             "seed": seed}
 

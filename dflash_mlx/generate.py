@@ -19,12 +19,11 @@ from typing import Iterator
 import mlx.core as mx
 from mlx_lm.generate import wired_limit
 
-from . import guards
-from .checks import _check_args, _check_seed, encode_prompt
+from .checks import encode_prompt
 from .errors import InvalidArgumentError
-from .proposal import SpeculationConfig, draft_block, lookup_block
-from .sample_utils import SamplingParams, greedy_accept, rejection_sample_device, sampling_probs
-from .tree_round import tree_budget, tree_round
+from .speculate import SamplingParams, SpeculationConfig, check_block_size, guards
+from .speculate.rounds import Round, path_round, tree_budget, tree_round
+from .speculate.sampling import check_max_tokens
 
 
 def prefill_step() -> int:
@@ -75,11 +74,6 @@ class BlockEvent:
     note: str | None = None  # a one-line notice for the user (e.g. the switch to plain AR)
     tree_nodes: int = 0  # a tree round (SpeculationConfig.tree): nodes verified besides slot 0
     branch_tokens: int = 0  # ... accepted tokens that came off the draft's argmax path
-
-    @property
-    def acceptance_length(self) -> int:
-        """Tokens this round produced per target pass (accepted + bonus), τ's sample."""
-        return len(self.tokens)
 
 
 @dataclass
@@ -190,6 +184,49 @@ def prefill(pair, session: Session, prompt: list[int]) -> tuple[int, int]:
     return len(todo), keep
 
 
+@dataclass
+class _Budget:
+    """Where generation stops: after an EOS, or at max_tokens."""
+
+    eos: set[int]
+    max_tokens: int
+    produced: int = 0
+
+    def cut(self, new: list[int]) -> tuple[list[int], str | None]:
+        """`new` cut after an EOS or at max_tokens, and the finish reason."""
+        for i, t in enumerate(new):
+            if t in self.eos:
+                return new[: i + 1], "stop"
+        if self.produced + len(new) >= self.max_tokens:
+            return new[: self.max_tokens - self.produced], "length"
+        return new, None
+
+
+def _settle(pair, config: SpeculationConfig, session: Session | None) -> tuple[Session, bool]:
+    """Check `config` against `pair` once per call: (the session to use, draft-free or not)."""
+    # no draft, but the context lookup may still propose: draft-free speculation
+    lookup_only = config.draft_free and config.block_size > 1
+    if lookup_only and pair.draft is not None:
+        raise InvalidArgumentError("draft-free speculation is for a pair without a draft")
+    check_block_size(pair, config.block_size, lookup_only)
+    if lookup_only:
+        pair.target.require_rollback()  # a pair with a draft checked this when it was bound
+    if session is None:
+        return Session.new(pair, config), lookup_only
+    if config.block_size > 1 and not lookup_only and session.draft_cache is None:
+        raise InvalidArgumentError("this session was started without a draft")
+    return session, lookup_only
+
+
+def _text(detok, new: list[int], finish: str | None, eos: set[int]) -> str:
+    for t in new:
+        if t not in eos:
+            detok.add_token(t)
+    if finish is not None:
+        detok.finalize()
+    return detok.last_segment
+
+
 def stream_generate(
     pair,
     prompt: str | list[int],
@@ -204,15 +241,17 @@ def stream_generate(
     block_size: int | None = None,
     min_confidence: float | None = None,
     lookup: bool | None = None,
+    sampling: SamplingParams | None = None,
 ) -> Iterator[BlockEvent]:
     """Generate with DFlash speculation (block_size > 1) or plain AR (block_size == 1).
 
     Args:
-        pair: a loaded `Pair` (see `dflash_mlx.utils`).
+        pair: a loaded `Pair` (see `dflash_mlx.loader`).
         prompt: text (tokenized as is; apply a chat template first) or token ids.
         config: how to speculate (`SpeculationConfig`); None: this device's defaults for the
             pair (`SpeculationConfig.for_pair`).
-        seed: seeds the sampler's PRNG so a run is reproducible.
+        temperature, top_p, top_k, seed: how to sample (`SamplingParams`; `sampling` gives
+            them as one value instead). The seed makes a run reproducible.
         session: reuse caches across calls; only the tokens the prompt adds are prefilled.
         block_size, min_confidence, lookup: override those fields of `config` (None keeps
             them). Exactness depends on none of them, only the cost of a round does.
@@ -220,166 +259,61 @@ def stream_generate(
     Yields:
         One `BlockEvent` per verify round; the last one carries `finish_reason`.
     """
-    params = SamplingParams(float(temperature), float(top_p), int(top_k))
-    overrides = dict(block_size=block_size, lookup=lookup,
-                     min_confidence=None if min_confidence is None else float(min_confidence))
-    config = (config or SpeculationConfig.for_pair(pair)).replace(**overrides)
-    block_size = config.block_size
-    # no draft, but the context lookup may still propose: draft-free speculation
-    lookup_only = config.draft_free and block_size > 1
-    if lookup_only and pair.draft is not None:
-        raise InvalidArgumentError("draft-free speculation is for a pair without a draft")
-    _check_args(pair, block_size, max_tokens, params, lookup_only)
-    if lookup_only:
-        pair.target.require_rollback()  # a pair with a draft checked this when it was bound
-    _check_seed(seed)
+    params = sampling or SamplingParams(temperature, top_p, top_k, seed)
+    config = (config or SpeculationConfig.for_pair(pair)).replace(
+        block_size=block_size, lookup=lookup,
+        min_confidence=None if min_confidence is None else float(min_confidence))
+    session, lookup_only = _settle(pair, config, session)
     ids = encode_prompt(pair, prompt)
     limit = pair.target.context_length
+    budget = _Budget(set(getattr(pair.tokenizer, "eos_token_ids", None) or []),
+                     check_max_tokens(max_tokens))
     capped = bool(limit) and len(ids) + max_tokens > limit
     if capped:  # never decode past the model's context: stop there, and say so
-        max_tokens = limit - len(ids)
-    speculate = block_size > 1
-    if session is None:
-        session = Session.new(pair, config)
-    elif speculate and not lookup_only and session.draft_cache is None:
-        raise InvalidArgumentError("this session was started without a draft")
-    key = mx.random.key(seed if seed is not None else random.getrandbits(32))
-    eos = set(getattr(pair.tokenizer, "eos_token_ids", None) or [])
-    mask_id = pair.draft.config.mask_token_id if speculate and not lookup_only else None
+        budget.max_tokens = limit - len(ids)
+    key = mx.random.key(params.seed if params.seed is not None else random.getrandbits(32))
+    block = config.block_size
     watch = (guards.AcceptanceWatch(config.fallback_after)
-             if speculate and config.fallback_after else None)
+             if block > 1 and config.fallback_after else None)
     tree, note = tree_budget(pair, config, lookup_only)  # the note goes on the first event
-
-    def stop(new: list[int]) -> tuple[list[int], str | None]:
-        """`new` cut after an EOS or at max_tokens, and the finish reason."""
-        for i, t in enumerate(new):
-            if t in eos:
-                return new[: i + 1], "stop"
-        if produced + len(new) >= max_tokens:
-            return new[: max_tokens - produced], "length"
-        return new, None
-
     tic = time.perf_counter()
     n_prompt, n_reused = prefill(pair, session, ids)
     prompt_s = time.perf_counter() - tic
     detok = pair.tokenizer.detokenizer
     detok.reset()
-    produced = 0
-    none = mx.zeros((0,), mx.int32)
     # mlx-lm's wired limit on Metal (keeps the weights resident); does nothing elsewhere
     with wired_limit(pair.target.model):
         while True:
-            width = min(block_size, max_tokens - produced)
-            last = session.tokens[-1]
-            base = len(session.tokens) - 1  # target cache length before this round
-            tokens, q, hint, rnd = none, None, None, None
-            tic = time.perf_counter()
-            if width > 1 and tree:  # DDTree: one draft pass, one verify pass over a tree
+            width = min(block, budget.max_tokens - budget.produced)
+            sub = None
+            if not params.greedy:
                 key, sub = mx.random.split(key)
-                rnd = tree_round(pair, session, config, width, params, sub, stop)
-                new, finish, drafted, accepted = rnd.tokens, rnd.finish, rnd.drafted, rnd.accepted
-                draft_s, verify_s, hint = rnd.draft_s, rnd.verify_s, rnd.hint
+            if width > 1 and tree:  # DDTree: one draft pass, one verify pass over a tree
+                rnd = tree_round(pair, session, config, width, params, sub, budget.cut)
             else:  # one path: the draft's block (or the lookup's), verified in one pass
-                if width > 1 and lookup_only:
-                    tokens, hint = lookup_block(session.tokens, width - 1)
-                elif width > 1:
-                    block = mx.array([[last] + [mask_id] * (width - 1)])
-                    draft_len = session.draft_cache[0].offset
-                    dkey = None
-                    if not params.greedy:  # DFlash 2's selector samples its path (v1 ignores both)
-                        key, dkey = mx.random.split(key)
-                    try:
-                        tokens, q, hint = draft_block(
-                            pair.draft, block, session.pending, session.draft_cache, config,
-                            session.tokens, params=params, key=dkey,
-                        )
-                        tokens = tokens.astype(mx.int32)
-                        # the drafted ids stay on the device; on a GPU the draft runs while the
-                        # verify pass is being built
-                        mx.async_eval(tokens)
-                        session.pending = None
-                    except BaseException:
-                        _truncate_draft(session.draft_cache, draft_len)
-                        raise
-                # without the lookup or the cut nothing waits for the draft here, so this is the
-                # time to launch it, and verify_s holds the rest of the round
-                draft_s = time.perf_counter() - tic
-
-                tic = time.perf_counter()
-                committed = base  # what the target cache may keep; grows only on success
-                try:
-                    n = tokens.shape[0]
-                    w = n + 1
-                    # rows past the block only pad the pass to a width the BLAS runs faster; their
-                    # logits are never read and the `finally` below drops their cache entries
-                    pad = config.width(w) - w
-                    verify = [mx.array([last], mx.int32), tokens, mx.full((pad,), last, mx.int32)]
-                    logits, taps = pair.target(
-                        # taps whenever a draft shares this session, so an AR turn keeps its context
-                        mx.concatenate(verify)[None], session.target_cache,
-                        taps=session.draft_cache is not None
-                    )
-                    logits = logits[0, :w]
-                    finite = guards.logits_ok(logits)  # a broken checkpoint fails loud, not silent
-                    if params.greedy:
-                        answer = mx.argmax(logits, axis=-1).astype(mx.int32)
-                    else:
-                        key, sub = mx.random.split(key)
-                        answer = rejection_sample_device(tokens, sampling_probs(logits, params),
-                                                         q, sub)
-                    # the round's one host sync: the drafted ids and the target's answer together
-                    host = mx.concatenate([tokens, answer, finite.astype(mx.int32)[None]]).tolist()
-                    guards.check_logits(host.pop(), pair.target_id)
-                    drafted, answer = host[:n], host[n:]
-                    if params.greedy:
-                        accepted, nxt = greedy_accept(drafted, answer)
-                    else:
-                        accepted, nxt = answer
-                    new, finish = stop(drafted[:accepted] + [nxt])
-                    session.tokens.extend(new)
-                    committed = len(session.tokens) - 1
-                    if taps is not None:
-                        # a width-1 round drafts nothing, so earlier pending rows may still wait
-                        new_rows = taps[:, : committed - base]
-                        session.pending = (new_rows if session.pending is None
-                                           else mx.concatenate([session.pending, new_rows], axis=1))
-                finally:
-                    # Positions past `committed` hold rejected drafts (or a half-done pass):
-                    # drop them.
-                    pair.target.truncate(session.target_cache, committed)
-                verify_s = time.perf_counter() - tic
-
-            produced += len(new)
-            if finish == "length" and capped:
+                rnd = path_round(pair, session, config, width, params, sub, budget.cut,
+                                 lookup_only)
+            budget.produced += len(rnd.tokens)
+            if rnd.finish == "length" and capped:
                 note = f"stopped at the model's context ({limit} tokens)"
-            if watch is not None and watch.feed(len(drafted), accepted):
-                block_size, watch, note = 1, None, watch.note  # the rest is plain AR: exact too
-            for t in new:
-                if t not in eos:
-                    detok.add_token(t)
-            if finish is not None:
-                detok.finalize()
-            yield BlockEvent(
-                tokens=new,
-                text=detok.last_segment,
-                drafted=drafted,
-                accepted=accepted,
-                accept_flags=[i < accepted for i in range(len(drafted))],
-                draft_s=draft_s,
-                verify_s=verify_s,
-                block_size=1 + len(drafted),
-                prompt_tokens=n_prompt,
-                reused_tokens=n_reused,
-                prompt_s=prompt_s,
-                generation_tokens=produced,
-                finish_reason=finish,
-                # slots cut for low confidence (a lookup with nothing to offer cuts none)
-                trimmed=0 if lookup_only or rnd else max(width - 1 - len(drafted), 0),
-                lookup_flags=hint.flags(len(drafted)) if hint else [],
-                note=note,
-                tree_nodes=rnd.nodes if rnd else 0,
-                branch_tokens=rnd.branch if rnd else 0,
-            )
+            if watch is not None and watch.feed(len(rnd.drafted), rnd.accepted):
+                block, watch, note = 1, None, watch.note  # the rest is plain AR: exact too
+            yield _event(rnd, _text(detok, rnd.tokens, rnd.finish, budget.eos), n_prompt,
+                         n_reused, prompt_s, budget.produced, note)
             note = None
-            if finish is not None:
+            if rnd.finish is not None:
                 return
+
+
+def _event(rnd: Round, text: str, n_prompt: int, n_reused: int, prompt_s: float,
+           produced: int, note: str | None) -> BlockEvent:
+    n = len(rnd.drafted)
+    return BlockEvent(
+        tokens=rnd.tokens, text=text, drafted=rnd.drafted, accepted=rnd.accepted,
+        accept_flags=[i < rnd.accepted for i in range(n)], draft_s=rnd.draft_s,
+        verify_s=rnd.verify_s, block_size=1 + n, prompt_tokens=n_prompt,
+        reused_tokens=n_reused, prompt_s=prompt_s, generation_tokens=produced,
+        finish_reason=rnd.finish, trimmed=rnd.trimmed,
+        lookup_flags=rnd.hint.flags(n) if rnd.hint else [], note=note,
+        tree_nodes=rnd.nodes, branch_tokens=rnd.branch,
+    )

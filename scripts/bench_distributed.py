@@ -24,7 +24,7 @@ from pathlib import Path
 def worker(folder: Path, tokens: int, repeats: int) -> None:
     from dflash_mlx.distributed import world
     from dflash_mlx.generate import stream_generate
-    from dflash_mlx.proposal import SpeculationConfig
+    from dflash_mlx.speculate import SpeculationConfig
     from dflash_mlx.utils import load
 
     group = world()

@@ -29,7 +29,7 @@ import mlx.nn as nn
 
 from dflash_mlx.models.config import DraftConfig
 from dflash_mlx.models.dflash2 import DFlash2DraftModel
-from dflash_mlx.sample_utils import SamplingParams
+from dflash_mlx.speculate.sampling import SamplingParams
 
 
 class StubTarget:

@@ -35,7 +35,7 @@ from dflash_mlx.chat import apply_template
 from dflash_mlx.cli import prepare
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.models.tree import tree_forward
-from dflash_mlx.proposal import slot_candidates
+from dflash_mlx.speculate.proposal import slot_candidates
 
 RANKS = 4
 

@@ -26,7 +26,7 @@ from support import sampling as ts  # noqa: E402  (imports dflash_mlx first: Ope
 from support.stats import ALPHA  # noqa: E402
 from dflash_mlx import load, tiny  # noqa: E402
 from dflash_mlx.cpu import blas
-from dflash_mlx.sample_utils import rejection_sample  # noqa: E402
+from support.sampling import rejection_sample  # noqa: E402
 
 BROKEN = {
     # name: (sampler, the cases it runs on)

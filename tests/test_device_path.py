@@ -11,7 +11,7 @@ from dflash_mlx import SpeculationConfig, load, stream_generate, tiny
 from dflash_mlx import generate as gen
 from dflash_mlx.generate import Session, prefill
 from dflash_mlx.models.cache import ContextCache
-from dflash_mlx.sample_utils import SamplingParams, sampling_probs
+from dflash_mlx.speculate.sampling import SamplingParams, sampling_probs
 from support.engine import Oracle, OracleDraft, RecordingTarget, float32_pair, mlx_lm_greedy
 
 

@@ -18,8 +18,9 @@ from dflash_mlx.models.dflash2 import DFlash2DraftModel, GroupedDynamicConv
 from dflash_mlx.models.dflash import DFlashDraftModel
 from dflash_mlx.errors import CheckpointError, ConfigError
 from dflash_mlx.utils import load_draft
-from dflash_mlx.sample_utils import SamplingParams, rejection_sample, sampling_probs
+from dflash_mlx.speculate.sampling import SamplingParams, sampling_probs
 from support.dflash2 import MASK, PROMPT, T, V
+from support.sampling import rejection_sample
 from support.stats import pooled_chisquare
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints"

@@ -245,7 +245,7 @@ def test_heads_the_ranks_cannot_split_are_refused(tmp_path):
 def test_a_served_generation_is_described_exactly():
     """What rank 0 sends the other ranks: JSON that gives back the same ids, sampling and
     speculation config (a seed up to 2**64-1, floats bit for bit, verify_pad's int keys)."""
-    from dflash_mlx.proposal import SpeculationConfig
+    from dflash_mlx.speculate import SpeculationConfig
     from dflash_mlx.server.follower import _config, describe
 
     conf = SpeculationConfig(block_size=5, min_confidence=0.1 + 0.2, verify_pad={3: 4, 5: 8},

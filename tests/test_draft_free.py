@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from dflash_mlx import SpeculationConfig, load, stream_generate, tiny
 from dflash_mlx.cli import app
 from dflash_mlx.errors import InvalidArgumentError
-from dflash_mlx.sample_utils import SamplingParams
+from dflash_mlx.speculate.sampling import SamplingParams
 from support.engine import mlx_lm_greedy
 from support.sampling import target_rows
 from support.stats import chi_square

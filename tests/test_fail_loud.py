@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from dflash_mlx import SpeculationConfig, load, stream_generate, tiny
 from dflash_mlx.cli import app
-from dflash_mlx.guards import NonFiniteLogitsError
+from dflash_mlx.speculate.guards import NonFiniteLogitsError
 from support.engine import Oracle, OracleDraft, float32_pair, mlx_lm_greedy
 
 

@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx.errors import CheckpointError, DFlashError
-from dflash_mlx.guards import AcceptanceWatch, NonFiniteLogitsError, check_logits, logits_ok
+from dflash_mlx.speculate.guards import AcceptanceWatch, NonFiniteLogitsError, check_logits, logits_ok
 
 BAD = [("nan", math.nan), ("+inf", math.inf)]
 

@@ -18,7 +18,7 @@ from dflash_mlx.generate import Session
 from dflash_mlx.models.dflash import DFlashDraftModel
 from dflash_mlx.models.hybrid import HybridCache, HybridTarget, RollbackError, _CapturingGDN
 from dflash_mlx.models.target import Target
-from dflash_mlx.sample_utils import SamplingParams, sampling_probs
+from dflash_mlx.speculate.sampling import SamplingParams, sampling_probs
 from support.engine import Recording, float32_pair
 from support.stats import pooled_chisquare
 

@@ -18,10 +18,10 @@ import pytest
 from dflash_mlx import stream_generate, tiny
 from dflash_mlx.generate import BlockEvent
 from dflash_mlx.models.dflash import DFlashDraftModel
-from dflash_mlx.proposal import LOOKUP_CONFIDENCE, MATCH_CAP, UNSURE, Hint, find, merge
+from dflash_mlx.speculate.lookup import LOOKUP_CONFIDENCE, MATCH_CAP, UNSURE, Hint, find, merge
 from dflash_mlx.cli.render import stats_lines
 from dflash_mlx.stats import Stats
-from dflash_mlx.sample_utils import SamplingParams
+from dflash_mlx.speculate.sampling import SamplingParams
 from support.engine import float32_pair, mlx_lm_greedy
 from support.sampling import target_rows
 from support.stats import chi_square

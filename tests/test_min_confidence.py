@@ -19,7 +19,7 @@ from dflash_mlx import SpeculationConfig, load, stream_generate, tiny
 from dflash_mlx.models.dflash import DFlashDraftModel
 from dflash_mlx.errors import InvalidArgumentError
 from dflash_mlx.cpu.policy import CPU_MIN_CONFIDENCE
-from dflash_mlx.sample_utils import SamplingParams
+from dflash_mlx.speculate.sampling import SamplingParams
 from support.engine import float32_pair, mlx_lm_greedy
 from support.sampling import PROMPT, target_rows
 from support.stats import chi_square

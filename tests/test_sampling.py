@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 
 from dflash_mlx import SpeculationConfig, load, tiny
-from dflash_mlx.sample_utils import SamplingParams, greedy_accept, rejection_sample, sampling_probs
+from dflash_mlx.speculate.sampling import SamplingParams, greedy_accept, sampling_probs
 from support.sampling import (
     ENGINE_CASES, FUNCTION_CASES, N_BROKEN, N_DRAWS, PROMPT, SETTINGS, Case, broken_ignores_q,
     broken_no_residual, broken_wrong_row, engine_check, fixed_draft_pair, make_tiny_target,
-    run_function_case, target_rows,
+    rejection_sample, run_function_case, target_rows,
 )
 from support.stats import ALPHA, binomial, chi_square
 from support.tiers import slow_after

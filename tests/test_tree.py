@@ -26,11 +26,11 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import QuantizedKVCache
 
 from dflash_mlx import SpeculationConfig, load, stream_generate, tiny
-from dflash_mlx import tree_round as tree_round_module
+from dflash_mlx.speculate import rounds as tree_round_module
 from dflash_mlx.errors import InvalidArgumentError, SpeculationUnsupportedError
 from dflash_mlx.generate import Session
 from dflash_mlx.models.tree import keep_rows, tree_forward
-from dflash_mlx.tree import Tree, build_tree, graft, walk
+from dflash_mlx.speculate.tree import Tree, build_tree, graft, walk
 from support.engine import RecordingTarget, cache_arrays, float32_pair, mlx_lm_greedy
 from support.tree import RANKS, TreeOracle, TreeOracleDraft, paths
 
@@ -180,7 +180,7 @@ def demo():
 @pytest.mark.demo
 def test_demo_target_tree_logits(demo):
     """The real SmolLM2 target (llama, rope_traditional) with the demo draft's own tree."""
-    from dflash_mlx.proposal import slot_candidates
+    from dflash_mlx.speculate.proposal import slot_candidates
 
     pair, ctx = demo
     cache = pair.target.make_cache()

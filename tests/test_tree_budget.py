@@ -147,7 +147,7 @@ def test_tree_auto_follows_a_flat_curve_and_a_number_wins(tiny, isolated_cache, 
 
 def test_a_pair_without_trees_notes_a_number_once_and_auto_quietly(tiny, isolated_cache,
                                                                  monkeypatch):
-    from dflash_mlx import tree_round
+    from dflash_mlx.speculate import rounds as tree_round
 
     monkeypatch.setattr(tree_round, "unsupported", lambda target: "a test target")
     monkeypatch.setattr(cost, "known", lambda key: FLAT)

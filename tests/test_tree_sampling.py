@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from dflash_mlx import SpeculationConfig, stream_generate, tiny
-from dflash_mlx import tree_round as tree_round_module
+from dflash_mlx.speculate import rounds as tree_round_module
 from dflash_mlx.generate import Session
 from dflash_mlx.models.tree import tree_forward
-from dflash_mlx.sample_utils import SamplingParams
-from dflash_mlx.tree import build_tree, walk
+from dflash_mlx.speculate.sampling import SamplingParams
+from dflash_mlx.speculate.tree import build_tree, walk
 from support.engine import float32_pair
 from support.tree import FixedSlots, FixedTreeDraft
 
@@ -56,7 +56,7 @@ def sampling_setup(tmp_path_factory):
 
 def _tree_rows(pair, prompt):
     """The round's tree (from the fixed slots) and its target rows' logits, one tree pass."""
-    from dflash_mlx.proposal import slot_candidates
+    from dflash_mlx.speculate.proposal import slot_candidates
 
     cache, dcache = pair.target.make_cache(), pair.draft.make_cache()
     _, taps = pair.target(mx.array([prompt[:-1]]), cache)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..generate import stream_generate
-from ..proposal import joint_keep, merge
+from ..speculate.lookup import merge
+from ..speculate.proposal import joint_keep
 
 
 def record(pair, ids: list[int], block: int, max_tokens: int) -> dict:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..generate import stream_generate
-from ..proposal import SpeculationConfig
+from ..speculate import SpeculationConfig
 from ..errors import InvalidArgumentError
 from ..stats import Stats
 

@@ -106,7 +106,7 @@ def run(*, model, draft, no_draft, draft_bits, weights, shape, tau, repeats, con
     size and the tree budget it recommends."""
     from .. import machine as facts
     from ..cpu import cost
-    from ..tree_round import tree_unavailable
+    from ..speculate.rounds import tree_unavailable
     from . import prepare
 
     _check(shape, tau, repeats, context, seconds)

@@ -16,7 +16,7 @@ from .. import registry
 from ..errors import InvalidArgumentError
 from ..checks import check_sampling  # noqa: F401  (re-exported for the commands)
 from ..checks import check_text, decode_text
-from ..proposal import SpeculationConfig
+from ..speculate import SpeculationConfig
 
 Say = Callable[[str], None] | None
 DEFAULT_LOOKUP_BLOCK = 5  # draft-free `--block-size auto`: the cost curve times a draft pass
@@ -98,17 +98,9 @@ def parse_block_sizes(text: str | None, allow_auto: bool = True,
 
 
 def check_block_size(pair, block: int, what: str = "--block-size") -> None:
-    if pair.draft is None:  # draft-free: the engine's own bound
-        from ..checks import LOOKUP_MAX_BLOCK
+    from ..speculate import check_block_size as check
 
-        if block > LOOKUP_MAX_BLOCK:
-            raise InvalidArgumentError(
-                f"{what} {block} is above {LOOKUP_MAX_BLOCK}, the widest lookup block")
-        return
-    trained = pair.draft.config.block_size
-    if block > trained:
-        raise InvalidArgumentError(
-            f"{what} {block} is above the draft's trained block size {trained}")
+    check(pair, block, pair.draft is None, what)
 
 
 def default_block(entry: registry.Entry | None) -> int:
@@ -300,7 +292,7 @@ def choose_tree(pair, loaded: Loaded, requested: int | str, block: int, say: Say
     machine's cached cost curve allows (`cpu/tree_budget.py`; nothing is timed here: without a
     curve with tree widths, one path). A pair that verifies one path only gets 0, and a note
     when a number was asked for."""
-    from ..tree_round import tree_budget
+    from ..speculate.rounds import tree_budget
 
     if requested == 0:
         return 0

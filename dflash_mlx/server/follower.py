@@ -29,7 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..generate import Session, stream_generate
-from ..proposal import SpeculationConfig
+from ..speculate import SpeculationConfig
 from .worker import Worker
 
 

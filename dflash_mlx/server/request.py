@@ -15,7 +15,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ..chat import apply_template
-from ..checks import MAX_SEED, check_text, decode_text, encode_prompt, is_text
+from ..speculate.sampling import MAX_SEED
+from ..checks import check_text, decode_text, encode_prompt, is_text
 from ..errors import InvalidArgumentError
 
 MAX_BODY = 8 * 1024 * 1024

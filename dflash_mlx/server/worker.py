@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..generate import Session, stream_generate
-from ..proposal import SpeculationConfig
+from ..speculate import SpeculationConfig
 from ..errors import DFlashError, InvalidArgumentError
 from ..stats import Stats
 

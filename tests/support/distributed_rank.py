@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten
 
 from dflash_mlx.distributed import world
 from dflash_mlx.generate import stream_generate
-from dflash_mlx.proposal import SpeculationConfig
+from dflash_mlx.speculate import SpeculationConfig
 from dflash_mlx.utils import load
 
 

@@ -15,7 +15,8 @@ import numpy as np
 
 from dflash_mlx import Session, stream_generate, tiny
 from dflash_mlx.models.dflash import DFlashDraftModel
-from dflash_mlx.sample_utils import SamplingParams, accept_prefix, sampling_probs
+from dflash_mlx.speculate.sampling import (SamplingParams, accept_count, rejection_sample_device,
+                                          sampling_probs)
 from support.engine import float32_pair
 from support.stats import binomial, chi_square
 
@@ -195,6 +196,16 @@ def run_function_case(pair, case: Case, sampler: Sampler, n: int, seed_offset: i
     q = dense_q(block.probs.shape[1], len(block.drafted), seed=5) if case.dense else None
     draws = draw(sampler, block, n, case.seed + seed_offset, draft_q=q)
     return check_draws(draws, block, q)
+
+
+def rejection_sample(drafted, target_probs, draft_probs, key) -> tuple[int, int]:
+    """The engine's rejection sampler with its [accepted, next token] on the host."""
+    accepted, nxt = rejection_sample_device(drafted, target_probs, draft_probs, key).tolist()
+    return accepted, nxt
+
+
+def accept_prefix(drafted, target_probs, draft_probs, key) -> int:
+    return accept_count(drafted, target_probs, draft_probs, key).item()
 
 
 # ---------------------------------------------------------------- deliberately broken samplers

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 
 from dflash_mlx.models.dflash import DFlashDraftModel
-from dflash_mlx.tree import Tree
+from dflash_mlx.speculate.tree import Tree
 
 
 def paths(tree: Tree) -> list[tuple[int, ...]]:

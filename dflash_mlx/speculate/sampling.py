@@ -1,24 +1,56 @@
-"""Pure acceptance rules: greedy prefix match and exact rejection sampling.
+"""Sampling settings and the pure acceptance rules: greedy prefix match, exact rejection sampling.
 
 Every function here is stateless, so the statistical tests can drive it directly.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..errors import InvalidArgumentError
+
+
+MAX_SEED = 2**64 - 1  # mx.random.key takes a uint64
+
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How to sample, checked once here: the CLI, the server and the API all build one.
+
+    `seed` seeds the sampler's PRNG so a run is reproducible (None: a fresh one per call).
+    """
+
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self):
+        t, p, k = float(self.temperature), float(self.top_p), int(self.top_k)
+        object.__setattr__(self, "temperature", t)
+        object.__setattr__(self, "top_p", p)
+        object.__setattr__(self, "top_k", k)
+        if not 0 <= t < math.inf:  # NaN fails this too
+            raise InvalidArgumentError(f"temperature must be ≥ 0 and finite, got {t}")
+        if not 0 < p <= 1:
+            raise InvalidArgumentError(f"top_p must be in (0, 1], got {p}")
+        if k < 0:
+            raise InvalidArgumentError(f"top_k must be ≥ 0, got {k}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise InvalidArgumentError(f"seed must be between 0 and 2**64-1, got {self.seed}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def check_max_tokens(max_tokens: int) -> int:
+    if max_tokens < 1:
+        raise InvalidArgumentError(f"max_tokens must be at least 1, got {max_tokens}")
+    return max_tokens
 
 
 def sampling_probs(logits: mx.array, params: SamplingParams) -> mx.array:
@@ -71,19 +103,25 @@ def accept_count(drafted: mx.array, target_probs: mx.array, draft_probs: mx.arra
     return mx.cumprod((u * q < p).astype(mx.int32)).sum()
 
 
-def accept_prefix(drafted: mx.array, target_probs: mx.array, draft_probs: mx.array | None,
-                  key: mx.array) -> int:
-    """`accept_count` on the host."""
-    return accept_count(drafted, target_probs, draft_probs, key).item()
-
-
 def rejection_sample_device(
     drafted: mx.array,
     target_probs: mx.array,
     draft_probs: mx.array | None,
     key: mx.array,
 ) -> mx.array:
-    """`rejection_sample` without leaving the device: an int32 array [accepted, next token]."""
+    """Speculative sampling (Leviathan et al.), exact in distribution, on the device.
+
+    Args:
+        drafted: (γ,) proposed ids for slots 1..γ.
+        target_probs: (γ+1, V) target distribution after each block slot.
+        draft_probs: (γ, V) proposal distribution, or None for one-hot argmax proposals.
+        key: PRNG key for this round.
+
+    Returns:
+        int32 [accepted, next token]: accept slot i+1 iff u·q(d) < p(d); the next token comes
+        from the normalised residual max(p − q, 0) at the first rejection, or from p after the
+        last slot when everything was accepted.
+    """
     gamma = drafted.shape[0]
     k_accept, k_next = mx.random.split(key)
     if gamma == 0:
@@ -104,25 +142,3 @@ def rejection_sample_device(
     nxt = mx.random.categorical(mx.log(dist), key=k_next)
     return mx.stack([accepted.astype(mx.int32), nxt.astype(mx.int32)])
 
-
-def rejection_sample(
-    drafted: mx.array,
-    target_probs: mx.array,
-    draft_probs: mx.array | None,
-    key: mx.array,
-) -> tuple[int, int]:
-    """Speculative sampling (Leviathan et al.): exact in distribution.
-
-    Args:
-        drafted: (γ,) proposed ids for slots 1..γ.
-        target_probs: (γ+1, V) target distribution after each block slot.
-        draft_probs: (γ, V) proposal distribution, or None for one-hot argmax proposals.
-        key: PRNG key for this round.
-
-    Returns:
-        (accepted, next token): accept slot i+1 iff u·q(d) < p(d); the next token comes from
-        the normalised residual max(p − q, 0) at the first rejection, or from p after the
-        last slot when everything was accepted.
-    """
-    accepted, nxt = rejection_sample_device(drafted, target_probs, draft_probs, key).tolist()
-    return accepted, nxt

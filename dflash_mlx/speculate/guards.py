@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 
 class NonFiniteLogitsError(CheckpointError):
