@@ -19,6 +19,8 @@ class Stats:
     rounds: int = 0
     tokens: int = 0
     drafted_rounds: int = 0
+    drafted_tokens: int = 0  # drafted slots the target verified
+    accepted_tokens: int = 0  # ... of which it accepted
     trimmed: int = 0  # drafted slots cut for low confidence (never verified)
     lookup_slots: int = 0  # drafted slots the context lookup supplied (verified)
     lookup_accepted: int = 0  # ... of which the target accepted
@@ -32,7 +34,6 @@ class Stats:
     prompt_tokens: int = 0
     reused_tokens: int = 0
     prompt_s: float = 0.0
-    lengths: list[int] = field(default_factory=list)
     finish_reason: str | None = None
 
     def add(self, ev: BlockEvent) -> None:
@@ -43,11 +44,12 @@ class Stats:
             self.prompt_s += ev.prompt_s
         self.rounds += 1
         self.tokens += len(ev.tokens)
-        self.lengths.append(len(ev.tokens))
         self.draft_s += ev.draft_s
         self.verify_s += ev.verify_s
         if ev.drafted:
             self.drafted_rounds += 1
+        self.drafted_tokens += len(ev.drafted)
+        self.accepted_tokens += ev.accepted
         self.trimmed += ev.trimmed
         self.lookup_slots += sum(ev.lookup_flags)
         self.lookup_accepted += sum(f and ok for f, ok in zip(ev.lookup_flags, ev.accept_flags))
@@ -87,11 +89,15 @@ class Stats:
         return self.prompt_tokens / self.prompt_s if self.prompt_s > 0 else 0.0
 
     def as_dict(self) -> dict:
+        """The one stats schema: the CLI's JSON, the server's `speculation`, the benchmark card
+        and the chat transcript all carry these keys (docs/stats.md)."""
         return {
             "rounds": self.rounds,
             "generation_tokens": self.tokens,
             "tau": round(self.tau, 4),
             "acceptance_rates": [round(r, 4) for r in self.acceptance_rates],
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
             "trimmed_slots": self.trimmed,
             "lookup_slots": self.lookup_slots,
             "lookup_accepted": self.lookup_accepted,
@@ -103,6 +109,7 @@ class Stats:
             "generation_tps": round(self.tokens_per_s, 3),
             "prompt_tokens": self.prompt_tokens,
             "reused_tokens": self.reused_tokens,
+            "prompt_s": round(self.prompt_s, 4),
             "prompt_tps": round(self.prompt_tps, 3),
             "finish_reason": self.finish_reason,
         }

@@ -69,7 +69,7 @@ def test_runs_interleave_and_alternate(tiny, monkeypatch):
     assert [(r["dataset"], r["block_size"]) for r in rows] == [("gsm8k", 2), ("gsm8k", 4)]
     b4 = rows[1]
     assert b4["tau"] == pytest.approx(4.0) and b4["acceptance_rates"] == [1.0, 1.0, 1.0]
-    assert b4["greedy_match"] == 1.0 and b4["tokens"] == 16
+    assert b4["greedy_match"] == 1.0 and b4["generation_tokens"] == 16
     assert b4["speedup"] == pytest.approx(b4["dflash_tps"] / b4["ar_tps"], rel=1e-3)
 
 
@@ -91,7 +91,7 @@ def test_rows_count_the_lookup_share(tiny):
     events = samples[0].median(4).events
     looked = sum(f and a for e in events for f, a in zip(e.lookup_flags, e.accept_flags))
     assert looked > 0
-    assert row["lookup_share"] == pytest.approx(looked / row["tokens"], abs=1e-4)
+    assert row["lookup_share"] == pytest.approx(looked / row["generation_tokens"], abs=1e-4)
     samples = bench.run(pair, sets, encode, block_sizes=[4],
                         sampling={"max_tokens": 40, "temperature": 0.0},
                         config=whole.replace(lookup=False))
@@ -151,6 +151,9 @@ def test_benchmark_command_writes_a_card(tiny, isolated_cache, tmp_path):
     assert rows[("all", 4)]["samples"] == 3 and rows[("all", 4)]["greedy_match"] == 1.0
     assert rows[("mt-bench", 2)]["tau"] == pytest.approx(2.0)
     assert len(card["samples"]) == 3 and card["samples"][0]["dflash"]["4"]["first_divergence"] is None
+    run4 = card["samples"][0]["dflash"]["4"]["stats"]  # the oracle draft: every draft accepted
+    assert (run4["tau"], run4["generation_tokens"]) == (4.0, 8)
+    assert card["samples"][0]["ar"]["stats"]["tau"] == 1.0
 
 
 def test_sampled_benchmark_has_no_greedy_match(tiny, isolated_cache):

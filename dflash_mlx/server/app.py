@@ -5,7 +5,8 @@ Endpoints: POST /v1/chat/completions and /v1/completions (SSE streaming or not),
 (the event loop stays free for /health and other clients), then run one at a time by
 `worker.Worker`. Every failure is an OpenAI-style error body with a 4xx
 or 5xx code; nothing a client sends ends the server. Beyond OpenAI's fields, responses carry
-`speculation` (τ, per-position acceptance, drafted and accepted counts) and
+`speculation` (the request's `Stats.as_dict()`: τ, per-position acceptance, drafted and
+accepted counts, timings; /health carries it over every request, see docs/stats.md) and
 `usage.prompt_tokens_details.cached_tokens` (prompt tokens served from the reused caches).
 """
 
@@ -243,7 +244,8 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
     async def health(request: Request):
         ok = worker.alive
         body = {"status": "ok" if ok else "unavailable", "model": cfg.model_id,
-                "running": worker.running, "queued": worker.queued, **worker.counts}
+                "running": worker.running, "queued": worker.queued, **worker.counts,
+                "speculation": worker.speculation()}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def http_error(request: Request, exc: HTTPException):

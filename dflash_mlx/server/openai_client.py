@@ -52,10 +52,6 @@ class Completion:
         return None if self.first is None else self.first - self.start
 
     @property
-    def latency_s(self) -> float:
-        return (self.end or time.perf_counter()) - self.start
-
-    @property
     def decode_tps(self) -> float | None:
         """Tokens after the first per second after the first (1 / TPOT; prefill excluded)."""
         if self.first is None or self.end is None or self.tokens < 2 or self.end <= self.first:
@@ -64,8 +60,8 @@ class Completion:
 
 
 def _from_ours(spec: dict) -> dict:
-    keys = ("tau", "acceptance_rates", "drafted_tokens", "accepted_tokens", "rounds",
-            "block_size")
+    # our `speculation` is `Stats.as_dict()` (docs/stats.md); these keys are shared by all three
+    keys = ("tau", "acceptance_rates", "drafted_tokens", "accepted_tokens", "rounds")
     return {**{k: spec.get(k) for k in keys}, "source": "dflash-mlx"}
 
 
@@ -80,7 +76,7 @@ def _from_sglang(meta: dict) -> dict | None:
     return {"tau": float(meta["spec_accept_length"]), "acceptance_rates": rates,
             "drafted_tokens": meta.get("spec_draft_token_num", meta.get("spec_proposed_drafts")),
             "accepted_tokens": meta.get("spec_accept_token_num", meta.get("spec_accepted_drafts")),
-            "rounds": meta.get("spec_verify_ct"), "block_size": None, "source": "sglang meta_info"}
+            "rounds": meta.get("spec_verify_ct"), "source": "sglang meta_info"}
 
 
 _METRIC = re.compile(r'^vllm:spec_decode_(num_drafts|num_draft_tokens|num_accepted_tokens|'
@@ -121,7 +117,7 @@ def vllm_speculation(before: dict | None, after: dict | None) -> dict | None:
     return {"tau": 1 + d["num_accepted_tokens"] / d["num_drafts"], "acceptance_rates": rates,
             "drafted_tokens": int(d["num_draft_tokens"]),
             "accepted_tokens": int(d["num_accepted_tokens"]), "rounds": int(d["num_drafts"]),
-            "block_size": None, "source": "vllm /metrics"}
+            "source": "vllm /metrics"}
 
 
 class Stream:

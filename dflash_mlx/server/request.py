@@ -259,10 +259,6 @@ def completion_limit(requested: int | None, prompt: int, context: int | None, de
     return requested
 
 
-async def json_body(request: Request) -> dict:
-    return parse_body(await read_body(request))
-
-
 async def read_body(request: Request) -> bytes:
     raw = await request.body()
     if len(raw) > MAX_BODY:

@@ -38,7 +38,7 @@ class Done:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
-    speculation: dict
+    speculation: dict  # `Stats.as_dict()` of this request
 
 
 @dataclass
@@ -110,25 +110,6 @@ class Job:
                 return
 
 
-def speculation(stats: Stats, drafted: int, accepted: int, block_size: int) -> dict:
-    """The `speculation` extension field: τ, per-position acceptance, drafted and accepted
-    (and how many drafted slots the context lookup filled, and of those accepted)."""
-    return {
-        "block_size": block_size,
-        "rounds": stats.rounds,
-        "tau": round(stats.tau, 4),
-        "acceptance_rates": [round(r, 4) for r in stats.acceptance_rates],
-        "drafted_tokens": drafted,
-        "accepted_tokens": accepted,
-        "lookup_tokens": stats.lookup_slots,
-        "lookup_accepted": stats.lookup_accepted,
-        "draft_s": round(stats.draft_s, 4),
-        "verify_s": round(stats.verify_s, 4),
-        "prefill_s": round(stats.prompt_s, 4),
-        "decode_tokens_per_s": round(stats.tokens_per_s, 2),
-    }
-
-
 class Worker:
     """Runs jobs one at a time on a dedicated thread, reusing one session's caches."""
 
@@ -141,6 +122,7 @@ class Worker:
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self.session = self._new_session()
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
+        self.total = Stats()  # every request since start, for /health (guarded by `lock`)
         self.running = False
         self.closing = False
         self.current: Job | None = None
@@ -190,6 +172,11 @@ class Worker:
     def queued(self) -> int:
         return self.jobs.qsize()
 
+    def speculation(self) -> dict:
+        """`Stats.as_dict()` over every request served so far."""
+        with self.lock:
+            return self.total.as_dict()
+
     def submit(self, job: Job) -> None:
         if self.closing:
             raise Busy
@@ -226,14 +213,13 @@ class Worker:
 
     def _run(self, job: Job) -> Done:
         stats, stop = Stats(), StopFilter(job.stop)
-        drafted = accepted = 0
         finish = None
         gen = self._generate(job)
         try:
             for ev in gen:
                 stats.add(ev)
-                drafted += len(ev.drafted)
-                accepted += ev.accepted
+                with self.lock:
+                    self.total.add(ev)
                 text, hit = stop.feed(ev.text)
                 if hit:
                     finish = "stop"
@@ -249,4 +235,4 @@ class Worker:
             gen.close()  # stops at this block boundary; the engine leaves the caches exact
         self.counts["cancelled" if finish == "cancelled" else "completed"] += 1
         return Done(finish or "stop", len(job.ids), stats.reused_tokens, stats.tokens,
-                    speculation(stats, drafted, accepted, self.config.block_size))
+                    stats.as_dict())

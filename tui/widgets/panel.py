@@ -44,9 +44,8 @@ def block_glyphs(ev: BlockEvent) -> str:
 def tree_line(stats: Stats) -> str:
     """`tree 16 · 5/42 off argmax`: nodes per tree round, and how many of the drafted tokens
     accepted came from branches other than the draft's argmax path."""
-    accepted = sum(stats.position_hits)
     return (f"tree {stats.tree_nodes / stats.tree_rounds:.0f} · "
-            f"{stats.branch_tokens}/{accepted} off argmax")
+            f"{stats.branch_tokens}/{stats.accepted_tokens} off argmax")
 
 
 def round_cost_tau(stats: Stats, baseline_tps: float | None) -> float | None:
@@ -55,6 +54,22 @@ def round_cost_tau(stats: Stats, baseline_tps: float | None) -> float | None:
         return None
     return break_even_tau(stats.verify_s / stats.rounds * baseline_tps,
                           stats.draft_s / stats.rounds * baseline_tps)
+
+
+def numbers(s: dict, baseline_tps: float | None, channels: dict[str, dict]) -> str:
+    """The speed lines, from `Stats.as_dict()` of the turn and of each channel: the panel shows
+    the numbers a saved transcript, the CLI and the server report."""
+    lines = [f"τ {s['tau']:.2f} · {s['generation_tps']:.1f} tok/s"]
+    if baseline_tps:
+        speedup = s["generation_tps"] / baseline_tps if s["rounds"] else 0.0
+        lines.append(f"AR {baseline_tps:.1f} tok/s · ×{speedup:.2f}")
+    else:
+        lines.append("AR baseline –  (ctrl+b)")
+    lines.append(f"prompt {s['prompt_tokens']} new · {s['reused_tokens']} reused")
+    lines.append(f"prefill {s['prompt_tps']:.0f} tok/s")
+    parts = [f"{name} τ {c['tau']:.2f}" for name, c in channels.items() if c["rounds"]]
+    lines.append(" · ".join(parts) if len(parts) > 1 else "")
+    return "\n".join(lines)
 
 
 class SpeculationPanel(Vertical):
@@ -87,8 +102,9 @@ class SpeculationPanel(Vertical):
         if grow:
             positions.styles.height = len(lines)
         positions.update(Content("\n").join(lines), layout=grow)
+        channel_stats = {name: c.as_dict() for name, c in (channels or {}).items()}
         self.query_one("#numbers", Static).update(
-            self._numbers(stats, baseline_tps, channels or {}), layout=False)
+            numbers(stats.as_dict(), baseline_tps, channel_stats), layout=False)
         self._warn(stats, history, baseline_tps)
 
     def _positions(self, stats: Stats, block_size: int) -> list[Content]:
@@ -104,20 +120,6 @@ class SpeculationPanel(Vertical):
         if stats.tree_rounds:
             lines.append(Content(tree_line(stats)))
         return lines
-
-    def _numbers(self, stats: Stats, baseline_tps: float | None,
-                 channels: dict[str, Stats]) -> str:
-        lines = [f"τ {stats.tau:.2f} · {stats.tokens_per_s:.1f} tok/s"]
-        if baseline_tps:
-            speedup = stats.tokens_per_s / baseline_tps if stats.rounds else 0.0
-            lines.append(f"AR {baseline_tps:.1f} tok/s · ×{speedup:.2f}")
-        else:
-            lines.append("AR baseline –  (ctrl+b)")
-        lines.append(f"prompt {stats.prompt_tokens} new · {stats.reused_tokens} reused")
-        lines.append(f"prefill {stats.prompt_tps:.0f} tok/s")
-        parts = [f"{name} τ {s.tau:.2f}" for name, s in channels.items() if s.rounds]
-        lines.append(" · ".join(parts) if len(parts) > 1 else "")
-        return "\n".join(lines)
 
     def _warn(self, stats: Stats, history: Sequence[int], baseline_tps: float | None) -> None:
         even = round_cost_tau(stats, baseline_tps)
