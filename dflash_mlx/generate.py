@@ -218,6 +218,18 @@ def _settle(pair, config: SpeculationConfig, session: Session | None) -> tuple[S
     return session, lookup_only
 
 
+def _keys(key: mx.array, params: SamplingParams, drafts: bool):
+    """(next key, draft key, verify key) for one round; None when greedy. A round that drafts
+    splits off the draft's key (DFlash 2's selector samples) before the verify key."""
+    if params.greedy:
+        return key, None, None
+    dkey = None
+    if drafts:
+        key, dkey = mx.random.split(key)
+    key, vkey = mx.random.split(key)
+    return key, dkey, vkey
+
+
 def _text(detok, new: list[int], finish: str | None, eos: set[int]) -> str:
     for t in new:
         if t not in eos:
@@ -285,14 +297,13 @@ def stream_generate(
     with wired_limit(pair.target.model):
         while True:
             width = min(block, budget.max_tokens - budget.produced)
-            sub = None
-            if not params.greedy:
-                key, sub = mx.random.split(key)
-            if width > 1 and tree:  # DDTree: one draft pass, one verify pass over a tree
-                rnd = tree_round(pair, session, config, width, params, sub, budget.cut)
+            trees = width > 1 and tree
+            key, dkey, vkey = _keys(key, params, width > 1 and not (trees or lookup_only))
+            if trees:  # DDTree: one draft pass, one verify pass over a tree
+                rnd = tree_round(pair, session, config, width, params, vkey, budget.cut)
             else:  # one path: the draft's block (or the lookup's), verified in one pass
-                rnd = path_round(pair, session, config, width, params, sub, budget.cut,
-                                 lookup_only)
+                rnd = path_round(pair, session, config, width, params, (dkey, vkey),
+                                 budget.cut, lookup_only)
             budget.produced += len(rnd.tokens)
             if rnd.finish == "length" and capped:
                 note = f"stopped at the model's context ({limit} tokens)"

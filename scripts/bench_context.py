@@ -29,6 +29,7 @@ from mlx_lm.generate import generate_step
 
 from dflash_mlx import SpeculationConfig, load, tiny
 from dflash_mlx.generate import Session, prefill
+from dflash_mlx.speculate.proposal import propose
 
 # target / draft shapes: (hidden, layers, heads, kv heads, head_dim, intermediate, vocab, bits)
 SHAPES = {
@@ -95,7 +96,7 @@ def round_times(pair, session: Session, block: int, rounds: int) -> tuple[float,
         target.truncate(session.target_cache, n)
         before = session.draft_cache[0].offset
         tic = time.perf_counter()
-        tokens = draft.propose(ids, taps, session.draft_cache)[0]
+        tokens = propose(draft, ids, taps, session.draft_cache)[0]
         mx.eval(tokens)
         d_times.append(time.perf_counter() - tic)
         for c in session.draft_cache:  # back to the same context for the next repeat

@@ -29,6 +29,7 @@ import mlx.nn as nn
 
 from dflash_mlx.models.config import DraftConfig
 from dflash_mlx.models.dflash2 import DFlash2DraftModel
+from dflash_mlx.speculate.proposal import propose
 from dflash_mlx.speculate.sampling import SamplingParams
 
 
@@ -102,7 +103,7 @@ def time_rounds(draft, contexts: list[int], rounds: int, block: int, width: int,
         for ctx in contexts:
             caches, pending = state[ctx]
             tic = time.perf_counter()
-            tokens = draft.propose(ids, pending, caches, params=params)[0]
+            tokens = propose(draft, ids, pending, caches, params=params)[0]
             mx.eval(tokens)
             if r >= 2:  # the first two rounds absorb the prefill context / warm up
                 times[ctx].append(time.perf_counter() - tic)

@@ -27,31 +27,44 @@ from bench_context import SHAPES, make_pair, prompt_of
 from dflash_mlx import SpeculationConfig, stream_generate
 from dflash_mlx.generate import Session, prefill
 from dflash_mlx.models.dflash import DFlashDraftModel
+from dflash_mlx.speculate.proposal import propose
 
 
 class OracleDraft:
     """Per instance, for the duration of a run: proposals replaced by a known continuation
-    (the real forward still runs and its output feeds the result, so its cost is paid)."""
+    (the real forward and proposal head still run and feed the result, so their cost is paid).
+
+    The draft's class is swapped for a subclass whose `__call__` notes the block's position
+    and whose `proposal_logits` peak at the known tokens; the proposal policy reads those.
+    """
 
     def __init__(self, draft: DFlashDraftModel, reference: list[int], prompt_len: int):
         self.draft, self.reference, self.prompt_len = draft, reference, prompt_len
+        self.pos = 0  # absolute position of the block's slot 0
 
     def __enter__(self):
-        real = self.draft.propose
+        real, oracle = type(self.draft), self
 
-        def propose(block_ids, context, cache, **kw):
-            tokens, q, conf = real(block_ids, context, cache, **kw)
-            pos = cache[0].offset + 1 - self.prompt_len
-            ref = [self.reference[j] if j < len(self.reference) else 0
-                   for j in range(pos, pos + tokens.shape[0])]
-            # `tokens - tokens` ties the oracle's ids to the forward, so it is evaluated
-            return mx.array(ref, dtype=tokens.dtype) + (tokens - tokens), q, conf
+        class Oracle(real):
+            def __call__(self, block_ids, context, cache):
+                hidden = super().__call__(block_ids, context, cache)
+                oracle.pos = cache[0].offset
+                return hidden
 
-        self.draft.propose = propose
+            def proposal_logits(self, hidden):
+                logits = super().proposal_logits(hidden)
+                pos = oracle.pos + 1 - oracle.prompt_len
+                ref = [oracle.reference[j] if j < len(oracle.reference) else 0
+                       for j in range(pos, pos + logits.shape[-2])]
+                peak = mx.arange(logits.shape[-1]) == mx.array(ref)[:, None]
+                # `logits - logits` ties the oracle's rows to the forward, so it is evaluated
+                return mx.where(peak, 0.0, -1e9).astype(logits.dtype) + (logits - logits)
+
+        self.draft.__class__ = Oracle
         return self
 
     def __exit__(self, *exc):
-        del self.draft.propose
+        self.draft.__class__ = type(self.draft).__mro__[1]
 
 
 def mlx_lm_tokens(model, prompt: list[int], n: int) -> tuple[list[int], float]:
@@ -101,7 +114,7 @@ def efficiency(pair, prompt: list[int], tokens: int, block: int) -> dict:
         pair.target.truncate(session.target_cache, n)
         before = session.draft_cache[0].offset
         tic = time.perf_counter()
-        mx.eval(pair.draft.propose(ids, taps, session.draft_cache)[0])
+        mx.eval(propose(pair.draft, ids, taps, session.draft_cache)[0])
         d_times.append(time.perf_counter() - tic)
         for c in session.draft_cache:
             c.trim(c.offset - before)

@@ -20,13 +20,21 @@ PROMPT, N, BLOCK, P_WRONG = list(b"Speculative decoding "), 40, 5, 0.3
 
 
 class OracleDraft(DFlashDraftModel):
-    def propose(self, block_ids, context, cache, **kw):
-        super().propose(block_ids, context, cache, **kw)  # real forward: cache bookkeeping
-        pos = cache[0].offset  # absolute position of block slot 0
-        ids = [REF[j] if 0 <= (j := pos + i - len(PROMPT)) < len(REF) else 0
-               for i in range(1, block_ids.shape[1])]
+    """The real forward runs (cache bookkeeping); the proposal head peaks at the oracle's ids."""
+
+    pos = 0  # absolute position of block slot 0, noted by the forward
+
+    def __call__(self, block_ids, context, cache):
+        hidden = super().__call__(block_ids, context, cache)
+        self.pos = cache[0].offset
+        return hidden
+
+    def proposal_logits(self, hidden):
+        ids = [REF[j] if 0 <= (j := self.pos + i - len(PROMPT)) < len(REF) else 0
+               for i in range(1, hidden.shape[-2] + 1)]
         ids = [RNG.randrange(tiny.VOCAB_SIZE) if RNG.random() < P_WRONG else t for t in ids]
-        return mx.array(ids, dtype=mx.uint32), None, None  # no confidence: verified whole
+        peak = mx.arange(self.config.vocab_size) == mx.array(ids)[:, None]
+        return mx.where(peak, 0.0, -1e9).reshape(*hidden.shape[:-1], -1)
 
 
 root = Path(tempfile.mkdtemp(prefix="dflash-demo-"))
@@ -40,7 +48,8 @@ oracle.update(pair.draft.parameters())
 pair.draft = oracle.bind(pair.target)
 print(f"{'round':>5}  {'drafted ids':<28} {'acc':>3}  emitted ids")
 out = []
-for r, ev in enumerate(stream_generate(pair, PROMPT, block_size=BLOCK, max_tokens=N)):
+# lookup off: the oracle's blocks are verified as proposed
+for r, ev in enumerate(stream_generate(pair, PROMPT, block_size=BLOCK, max_tokens=N, lookup=False)):
     out += ev.tokens
     print(f"{r:>5}  {str(ev.drafted):<28} {ev.accepted:>3}  {ev.tokens}")
 print(f"{len(out)} tokens in {r + 1} rounds (τ = {len(out) / (r + 1):.2f}); "

@@ -18,6 +18,7 @@ from dflash_mlx.models.dflash2 import DFlash2DraftModel, GroupedDynamicConv
 from dflash_mlx.models.dflash import DFlashDraftModel
 from dflash_mlx.errors import CheckpointError, ConfigError
 from dflash_mlx.utils import load_draft
+from dflash_mlx.speculate.proposal import propose
 from dflash_mlx.speculate.sampling import SamplingParams, sampling_probs
 from support.dflash2 import MASK, PROMPT, T, V
 from support.sampling import rejection_sample
@@ -196,7 +197,7 @@ def _brute_scores(sel, hidden, logits, prev, t):
 def test_selector_greedy_walk_is_the_argmax_path(small_pair):
     dr = small_pair.draft
     hidden, logits, block, taps = _selector_inputs(small_pair)
-    tokens, q, _ = dr.propose(block, taps, dr.make_cache())
+    tokens, q, _ = propose(dr, block, taps, dr.make_cache())
     assert q is None  # greedy: no proposal distribution needed
     prev, path = PROMPT[-1], []
     for t in range(block.shape[1] - 1):
@@ -210,7 +211,7 @@ def test_selector_q_is_softmax_over_candidates_given_the_chosen_predecessor(smal
     dr = small_pair.draft
     hidden, logits, block, taps = _selector_inputs(small_pair)
     for seed in range(4):
-        tokens, q, _ = dr.propose(block, taps, dr.make_cache(), params=SamplingParams(T),
+        tokens, q, _ = propose(dr, block, taps, dr.make_cache(), params=SamplingParams(T),
                                key=mx.random.key(seed))
         q = np.array(q)
         prev = PROMPT[-1]
@@ -224,7 +225,7 @@ def test_selector_q_is_softmax_over_candidates_given_the_chosen_predecessor(smal
             assert tok in cand and q[t, tok] > 0
             prev = tok
         # reproducible from its key
-        again, _, _ = dr.propose(block, taps, dr.make_cache(), params=SamplingParams(T),
+        again, _, _ = propose(dr, block, taps, dr.make_cache(), params=SamplingParams(T),
                               key=mx.random.key(seed))
         assert again.tolist() == tokens.tolist()
 
@@ -377,7 +378,7 @@ def test_selector_quantization_is_optional(tmp_path):
     assert isinstance(pair.draft.candidate_selector.successor_codebook, nn.QuantizedEmbedding)
     block = mx.array([[5] + [tiny.MASK_ID] * 7])
     ctx = mx.random.normal((1, 6, 2 * 64))
-    _, q, _ = pair.draft.propose(block, ctx, pair.draft.make_cache(), params=SamplingParams(1.0),
-                              key=mx.random.key(0))
+    _, q, _ = propose(pair.draft, block, ctx, pair.draft.make_cache(),
+                      params=SamplingParams(1.0), key=mx.random.key(0))
     np.testing.assert_allclose(np.array(q.sum(-1)), 1.0, rtol=1e-5)
     assert len(list(stream_generate(pair, "hi", max_tokens=6, temperature=1.0, seed=0))) > 0

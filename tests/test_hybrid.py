@@ -19,7 +19,7 @@ from dflash_mlx.models.dflash import DFlashDraftModel
 from dflash_mlx.models.hybrid import HybridCache, HybridTarget, RollbackError, _CapturingGDN
 from dflash_mlx.models.target import Target
 from dflash_mlx.speculate.sampling import SamplingParams, sampling_probs
-from support.engine import Recording, float32_pair
+from support.engine import Recording, float32_pair, peaked
 from support.stats import pooled_chisquare
 
 V = tiny.VOCAB_SIZE
@@ -39,20 +39,25 @@ class ScriptedDraft(DFlashDraftModel):
     """
 
     script: Script | None = None
+    pos = 0  # absolute position of block slot 0, noted by the forward
 
-    def propose(self, block_ids, context, cache, **kw):
-        tokens, q, conf = super().propose(block_ids, context, cache, **kw)
-        mx.eval(tokens)  # run the real forward, as the engine would (it materialises the cache)
+    def __call__(self, block_ids, context, cache):
+        hidden = super().__call__(block_ids, context, cache)
+        self.pos = cache[0].offset
+        return hidden
+
+    def proposal_logits(self, hidden):
+        real = super().proposal_logits(hidden)
+        mx.eval(real)  # run the real forward, as the engine would (it materialises the cache)
         s = self.script
-        pos = cache[0].offset  # absolute position of block slot 0
         want = s.pattern[s.rounds % len(s.pattern)]
         s.rounds += 1
         out = []
-        for i in range(1, block_ids.shape[1]):
-            j = pos + i - s.prompt_len
+        for i in range(1, hidden.shape[-2] + 1):
+            j = self.pos + i - s.prompt_len
             tok = s.reference[j] if 0 <= j < len(s.reference) else 0
             out.append((tok + 1) % 256 if i == want + 1 else tok)
-        return mx.array(out, dtype=mx.uint32), q, None  # no confidence: verified whole
+        return peaked(out, hidden, self.config.vocab_size)
 
 
 class RecordingHybrid(Recording, HybridTarget):
@@ -214,7 +219,9 @@ def test_rollback_after_any_accept_pattern_equals_fresh_prefill(pair, seed, bloc
     n = rng.randint(1, 20)
     reference = _script(pair, prompt, n, pattern, block)
     session = Session.new(pair)
-    gen = stream_generate(pair, prompt, block_size=block, max_tokens=n, session=session)
+    # lookup off: the script's blocks are verified as proposed, so its accept counts happen
+    gen = stream_generate(pair, prompt, block_size=block, max_tokens=n, session=session,
+                          lookup=False)
     passes = pair.target.passes
     events = []
     for ev in gen:

@@ -33,26 +33,22 @@ class Seen:
     """Per proposal: slot probabilities (numpy)."""
 
     def __init__(self):
-        self.conf, self.hidden = [], None
+        self.conf = []
 
 
 class Watched(DFlashDraftModel):
-    """The real draft; every proposal's slot probabilities are recomputed with numpy."""
+    """The real draft; every proposal's slot probabilities are recomputed with numpy (from
+    its proposal head's logits for the drafted slots: one call per proposal)."""
 
     seen: Seen | None = None  # a plain object: nn.Module files dicts and lists as children
 
-    def propose(self, block_ids, context, cache, **kw):
-        out = super().propose(block_ids, context, cache, **kw)
-        hidden = self.seen.hidden[:, 1: block_ids.shape[1]]  # drafted at full width, cut back
-        logits = np.array(self.proposal_logits(hidden)[0].astype(mx.float32), dtype=np.float64)
+    def proposal_logits(self, hidden):
+        out = super().proposal_logits(hidden)
+        logits = np.array(out.astype(mx.float32), dtype=np.float64).reshape(-1, out.shape[-1])
         p = np.exp(logits - logits.max(axis=-1, keepdims=True))
         p /= p.sum(axis=-1, keepdims=True)
         self.seen.conf.append(p.max(axis=-1))
         return out
-
-    def __call__(self, block_ids, context, cache):
-        self.seen.hidden = super().__call__(block_ids, context, cache)
-        return self.seen.hidden
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from ..generate import stream_generate
 from ..speculate.lookup import merge
-from ..speculate.proposal import joint_keep
+from ..speculate.proposal import joint_keep, slot_hidden, tokens_and_confidence
 
 
 def record(pair, ids: list[int], block: int, max_tokens: int) -> dict:
@@ -26,8 +26,8 @@ def record(pair, ids: list[int], block: int, max_tokens: int) -> dict:
     draft, rows = pair.draft, []
     for pos in range(len(ids) - 1, len(seq) - 1):  # a round whose last committed token is seq[pos]
         blk = mx.array([[seq[pos]] + [draft.config.mask_token_id] * (block - 1)])
-        hidden = draft.slot_hidden(blk, taps[:, :pos], draft.make_cache())[0]
-        proposed, conf = draft.tokens_and_confidence(hidden)
+        hidden = slot_hidden(draft, blk, taps[:, :pos], draft.make_cache())[0]
+        proposed, conf = tokens_and_confidence(draft, hidden)
         rows.append((proposed.tolist(), conf.tolist()))
     return {"seq": seq, "start": len(ids) - 1, "rows": rows}
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable
 import mlx.core as mx
 
 from ..machine import cpu_name
+from ..speculate.proposal import propose
 from . import blas
 
 if TYPE_CHECKING:
@@ -136,7 +137,7 @@ def measure(pair: Pair, widths=WIDTHS, context: int = 256, repeats: int = 2,
     if draft is not None:
         d_cache = draft.make_cache()
         mask = draft.config.mask_token_id
-        mx.eval(draft.propose(mx.array([[0, mask]]), taps, d_cache)[0])
+        mx.eval(propose(draft, mx.array([[0, mask]]), taps, d_cache)[0])
     t_verify: dict[int, list[float]] = {w: [] for w in widths}
     t_draft: dict[int, list[float]] = {w: [] for w in widths}
     worst = float("inf")
@@ -193,7 +194,7 @@ def _round(tgt, draft, cache, d_cache, taps, widths, context, vocab, t_verify, t
             continue
         block = mx.array([[0] + [draft.config.mask_token_id] * (w - 1)])
         tic = time.perf_counter()
-        mx.eval(draft.propose(block, taps[:, :w], d_cache)[0])
+        mx.eval(propose(draft, block, taps[:, :w], d_cache)[0])
         elapsed = time.perf_counter() - tic
         for c in d_cache:
             c.trim(w)

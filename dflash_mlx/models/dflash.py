@@ -2,6 +2,8 @@
 
 Module and attribute names follow the checkpoint keys so z-lab safetensors load with
 `strict=True`. The draft owns no embedding or LM head: `bind(target)` borrows them.
+The model is the network only; what it proposes (the block width it drafts at, argmax or
+DFlash 2's selector path, the slot confidences) is `speculate/proposal.py`'s.
 """
 
 from __future__ import annotations
@@ -234,66 +236,12 @@ class DFlashDraftModel(nn.Module):
             out = cap * mx.tanh(out / cap)
         return out
 
-    def propose(
-        self, block_ids: mx.array, context: mx.array | None, cache: list[ContextCache],
-        params=None, key: mx.array | None = None, confidence: bool = False,
-    ) -> tuple[mx.array, mx.array | None, mx.array | None]:
-        """Draft tokens for slots 1..L-1, their proposal distribution (None = one-hot) and,
-        with `confidence`, each slot's proposal probability (else None).
-
-        The block is drafted at the trained width (`slot_hidden`) and cut back to L-1 slots.
-        v1 drafts propose the per-slot argmax: the slots are independent marginals, so
-        sampling them would give an incoherent block; a one-hot q keeps the sampler exact.
-        `params` (SamplingParams) and `key` are for DFlash 2's selector; v1 ignores them.
-        What to verify of this (the cut, the context lookup) is `proposal.py`'s business.
-        """
-        hidden = self.slot_hidden(block_ids, context, cache)
-        if not confidence:
-            return self.greedy_tokens(hidden)[0], None, None
-        ids, probs = self.tokens_and_confidence(hidden[0])
-        return ids, None, probs
-
-    def slot_hidden(self, block_ids: mx.array, context: mx.array | None,
-                    cache: list[ContextCache]) -> mx.array:
-        """Hidden states of slots 1..L-1 of `block_ids`, drafted at the trained width."""
-        return self(self.full_block(block_ids), context, cache)[:, 1: block_ids.shape[1]]
-
-    def full_block(self, block_ids: mx.array) -> mx.array:
-        """`block_ids` padded with MASK to the trained block size.
-
-        Every slot attends to the whole block, and training only ever showed blocks of the
-        trained width: a narrower block shifts what each slot sees. Drafting at full width and
-        keeping the leading slots proposes better (block 5 on the demo pair: τ +0.05), and the
-        extra slots cost only draft compute: block K/V are never cached.
-        """
-        pad = self.config.block_size - block_ids.shape[1]
-        if pad <= 0:
-            return block_ids
-        masks = mx.full((block_ids.shape[0], pad), self.config.mask_token_id, block_ids.dtype)
-        return mx.concatenate([block_ids, masks], axis=1)
-
     def proposal_logits(self, hidden: mx.array) -> mx.array:
         """Logits over the ids the draft proposes from: the restricted head's rows when set."""
         b = self._borrowed
         if b.head_ids is None:
             return self.logits(hidden)
         return self._shape_logits(b.sub_head(hidden))
-
-    def tokens_and_confidence(self, hidden: mx.array) -> tuple[mx.array, mx.array]:
-        """Per-slot argmax ids and the proposal probability of each."""
-        logits = self.proposal_logits(hidden).astype(mx.float32)
-        best = mx.argmax(logits, axis=-1)
-        confidence = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1))
-        ids = best if self._borrowed.head_ids is None else self._borrowed.head_ids[best]
-        return ids, confidence
-
-    def greedy_tokens(self, hidden: mx.array) -> mx.array:
-        """Per-slot argmax ids, through the restricted head when one is set."""
-        b = self._borrowed
-        if b.head_ids is not None:
-            # multiplier and softcap are monotone: the argmax needs neither
-            return b.head_ids[mx.argmax(b.sub_head(hidden), axis=-1)]
-        return mx.argmax(self.logits(hidden), axis=-1)
 
     @staticmethod
     def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -10,7 +10,8 @@ sliding windows) is inherited from `draft.DFlashDraftModel`. DFlash 2 adds:
 - `candidate_selector` (`CandidateSelector`): per slot the top-K draft tokens, re-scored by a
   low-rank bilinear edge `logit + Σ_r A[prev, r]·Proj(h)[r]·B[cand, r]` and walked from the
   anchor (slot 0). Greedy at T=0; at T>0 each step samples softmax(scores/T) and records
-  that q, which the rejection sampler needs to stay exact.
+  that q, which the rejection sampler needs to stay exact. The walk over a drafted block
+  (and the dense q the sampler reads) is `speculate/proposal.py:selector_propose`.
 """
 
 from __future__ import annotations
@@ -145,27 +146,6 @@ class DFlash2DraftModel(DFlashDraftModel):
             raise ValueError("DFlash2DraftModel needs conv_* and selector_* fields in dflash_config")
         self.layers = [DFlash2DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
         self.candidate_selector = CandidateSelector(cfg)
-
-    def propose(self, block_ids, context, cache, params=None, key=None, confidence=False):
-        """The selector's path for slots 1..γ, and its q scattered to dense (γ, V) rows at T>0.
-
-        The selector walks one joint path with a recorded q, so it has no per-slot confidence
-        (the third value is always None) and takes neither the cut nor the lookup.
-
-        The dense rows hold the K candidate probabilities at their ids and 0 elsewhere, so
-        `sample_utils.rejection_sample` accepts iff u·q(d) < p(d) and draws the next token from
-        max(p − q, 0) renormalised — p minus q on the candidate ids.
-        """
-        temperature = 0.0 if params is None else params.temperature
-        hidden = self(block_ids, context, cache)[0, 1:]
-        cand, unary, succ = self.candidate_selector.candidates(hidden, self.logits(hidden))
-        tokens, q = self.candidate_selector.walk(
-            block_ids[0, :1], cand, unary, succ, temperature, key
-        )
-        if q is None:
-            return tokens[0], None, None
-        dense = mx.zeros((cand.shape[0], self.config.vocab_size), dtype=mx.float32)
-        return tokens[0], mx.put_along_axis(dense, cand, q[0], axis=-1), None
 
     @staticmethod
     def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:

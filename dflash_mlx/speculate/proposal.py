@@ -1,9 +1,10 @@
 """What the target verifies each round: the draft's tokens, the context lookup, the confidence cut.
 
-`draft_block` applies a `SpeculationConfig` to one draft pass. The draft network only proposes
-(`propose`: per-slot argmax or DFlash 2's selector path); everything here is a deterministic
-function of that proposal and of the tokens so far, so the verification, and with it the output
-distribution, never depends on it. Greedy verification and v1's rejection sampling (which treats
+The draft is a network (layers, `__call__`, `proposal_logits`); what it proposes is decided here.
+`propose` drafts one block (per-slot argmax, or DFlash 2's selector path) and `draft_block`
+applies a `SpeculationConfig` to it: everything after the proposal is a deterministic function
+of it and of the tokens so far, so the verification, and with it the output distribution, never
+depends on it. Greedy verification and v1's rejection sampling (which treats
 every drafted token as proposed with probability 1) stay exact. DFlash 2's selector samples its
 own path with a recorded q, so it takes no lookup and no cut.
 """
@@ -14,6 +15,88 @@ import mlx.core as mx
 
 from .config import SpeculationConfig
 from .lookup import Hint, merge
+
+
+def propose(draft, block_ids: mx.array, context: mx.array | None, cache: list, params=None,
+            key: mx.array | None = None, confidence: bool = False,
+            ) -> tuple[mx.array, mx.array | None, mx.array | None]:
+    """Draft tokens for slots 1..L-1, their proposal distribution (None = one-hot) and,
+    with `confidence`, each slot's proposal probability (else None).
+
+    The block is drafted at the trained width (`slot_hidden`) and cut back to L-1 slots.
+    v1 drafts propose the per-slot argmax: the slots are independent marginals, so
+    sampling them would give an incoherent block; a one-hot q keeps the sampler exact.
+    `params` (SamplingParams) and `key` are for DFlash 2's selector (`selector_propose`);
+    v1 ignores them. What to verify of this (the cut, the context lookup) is `draft_block`'s
+    business.
+    """
+    if draft.config.is_dflash2:
+        return selector_propose(draft, block_ids, context, cache, params, key)
+    hidden = slot_hidden(draft, block_ids, context, cache)
+    if not confidence:
+        return greedy_tokens(draft, hidden)[0], None, None
+    ids, probs = tokens_and_confidence(draft, hidden[0])
+    return ids, None, probs
+
+
+def selector_propose(draft, block_ids: mx.array, context: mx.array | None, cache: list,
+                     params=None, key: mx.array | None = None,
+                     ) -> tuple[mx.array, mx.array | None, None]:
+    """A DFlash 2 draft's selector path for slots 1..γ, and its q scattered to dense (γ, V)
+    rows at T>0.
+
+    The selector walks one joint path with a recorded q, so it has no per-slot confidence
+    (the third value is always None) and takes neither the cut nor the lookup.
+
+    The dense rows hold the K candidate probabilities at their ids and 0 elsewhere, so
+    `sample_utils.rejection_sample` accepts iff u·q(d) < p(d) and draws the next token from
+    max(p − q, 0) renormalised — p minus q on the candidate ids.
+    """
+    temperature = 0.0 if params is None else params.temperature
+    selector = draft.candidate_selector
+    hidden = draft(block_ids, context, cache)[0, 1:]
+    cand, unary, succ = selector.candidates(hidden, draft.logits(hidden))
+    tokens, q = selector.walk(block_ids[0, :1], cand, unary, succ, temperature, key)
+    if q is None:
+        return tokens[0], None, None
+    dense = mx.zeros((cand.shape[0], draft.config.vocab_size), dtype=mx.float32)
+    return tokens[0], mx.put_along_axis(dense, cand, q[0], axis=-1), None
+
+
+def slot_hidden(draft, block_ids: mx.array, context: mx.array | None, cache: list) -> mx.array:
+    """Hidden states of slots 1..L-1 of `block_ids`, drafted at the trained width."""
+    return draft(full_block(draft, block_ids), context, cache)[:, 1: block_ids.shape[1]]
+
+
+def full_block(draft, block_ids: mx.array) -> mx.array:
+    """`block_ids` padded with MASK to the trained block size.
+
+    Every slot attends to the whole block, and training only ever showed blocks of the
+    trained width: a narrower block shifts what each slot sees. Drafting at full width and
+    keeping the leading slots proposes better (block 5 on the demo pair: τ +0.05), and the
+    extra slots cost only draft compute: block K/V are never cached.
+    """
+    pad = draft.config.block_size - block_ids.shape[1]
+    if pad <= 0:
+        return block_ids
+    masks = mx.full((block_ids.shape[0], pad), draft.config.mask_token_id, block_ids.dtype)
+    return mx.concatenate([block_ids, masks], axis=1)
+
+
+def tokens_and_confidence(draft, hidden: mx.array) -> tuple[mx.array, mx.array]:
+    """Per-slot argmax ids and the proposal probability of each."""
+    logits = draft.proposal_logits(hidden).astype(mx.float32)
+    best = mx.argmax(logits, axis=-1)
+    confidence = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1))
+    head_ids = draft.head_token_ids()  # a restricted head's rows are these tokens
+    return (best if head_ids is None else head_ids[best]), confidence
+
+
+def greedy_tokens(draft, hidden: mx.array) -> mx.array:
+    """Per-slot argmax ids, through the restricted head when one is set."""
+    best = mx.argmax(draft.proposal_logits(hidden), axis=-1)
+    head_ids = draft.head_token_ids()
+    return best if head_ids is None else head_ids[best]
 
 
 def draft_block(draft, block_ids: mx.array, context: mx.array | None, cache: list,
@@ -32,8 +115,8 @@ def draft_block(draft, block_ids: mx.array, context: mx.array | None, cache: lis
     v1 = not draft.config.is_dflash2
     lookup = config.lookup and v1
     cut = config.min_confidence if v1 else 0.0
-    out, q, confidence = draft.propose(block_ids, context, cache, params=params, key=key,
-                                       confidence=lookup or cut > 0)
+    out, q, confidence = propose(draft, block_ids, context, cache, params=params, key=key,
+                                 confidence=lookup or cut > 0)
     if confidence is None:
         return out, q, None
     ids, confidence = out.tolist(), confidence.tolist()
@@ -49,7 +132,7 @@ def slot_candidates(draft, block_ids: mx.array, context: mx.array | None, cache:
                     k: int) -> tuple[mx.array, mx.array]:
     """A v1 draft's `k` likeliest tokens per slot 1..L-1 of `block_ids`, best first, and their
     log-probabilities under its proposal head: (L-1, k) each, on the device (a tree's input)."""
-    hidden = draft.slot_hidden(block_ids, context, cache)[0]
+    hidden = slot_hidden(draft, block_ids, context, cache)[0]
     logits = draft.proposal_logits(hidden).astype(mx.float32)
     logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     k = min(k, logp.shape[-1])

@@ -91,16 +91,15 @@ def _rolled_back(session, propose: Callable[[], tuple]) -> tuple:
 
 
 def path_round(pair, session, config, width: int, params: SamplingParams,
-               key: mx.array | None, stop: Stop, lookup_only: bool = False) -> Round:
+               keys: tuple[mx.array | None, mx.array | None], stop: Stop,
+               lookup_only: bool = False) -> Round:
     """Verify one path of up to `width - 1` drafted tokens (width 1: a plain AR step).
 
-    `stop(tokens)` cuts the emitted tokens at EOS or max_tokens: (kept, finish reason). `key`
-    (None when greedy) seeds DFlash 2's selector and the rejection sampler.
+    `stop(tokens)` cuts the emitted tokens at EOS or max_tokens: (kept, finish reason). `keys`
+    (None when greedy): DFlash 2's selector's, and the rejection sampler's.
     """
     last = session.tokens[-1]
-    dkey = vkey = None
-    if key is not None:
-        dkey, vkey = mx.random.split(key)
+    dkey, vkey = keys
     tic = time.perf_counter()
     tokens, q, hint = mx.zeros((0,), mx.int32), None, None
     if width > 1 and lookup_only:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from ..speculate.proposal import greedy_tokens
 from .blocks import BlockSampler, block_labels, packed_hidden
 from .config import TrainConfig
 from .data import FeatureShard
@@ -41,9 +42,9 @@ def heldout_tau(draft, batches: list, block_size: int) -> tuple[float, list[floa
     lengths, hits = [], np.zeros(block_size - 1)
     for blocks, ctx, seq_of, anchors, labels in batches:
         labels = labels[:, : block_size - 1]
-        # full-width blocks, as the engine drafts them (DFlashDraftModel.full_block)
+        # full-width blocks, as the engine drafts them (speculate/proposal.py: full_block)
         h = packed_hidden(draft, blocks, ctx, seq_of, anchors)
-        ok = np.array(draft.greedy_tokens(h[:, 1:block_size]) == labels)
+        ok = np.array(greedy_tokens(draft, h[:, 1:block_size]) == labels)
         run = np.cumprod(ok, axis=1)
         lengths.extend(1 + run.sum(axis=1))
         hits += ok.sum(axis=0)
@@ -69,7 +70,7 @@ def walk_runs(draft, tokens: np.ndarray, preds: np.ndarray, taps: np.ndarray, st
     blocks[:, 0] = tokens[anchors]
     h = packed_hidden(draft, mx.array(blocks), mx.array(taps[None]), mx.zeros(len(anchors), mx.int32),
                       mx.array(anchors.astype(np.int32)))
-    guess = np.array(draft.greedy_tokens(h[:, 1:block_size]))
+    guess = np.array(greedy_tokens(draft, h[:, 1:block_size]))
     ok = guess == block_labels(tokens, preds, anchors, block_size - 1)  # -1: never a guess
     run = np.cumprod(ok, axis=1).sum(axis=1)
     runs, i = [], 0

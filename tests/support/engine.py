@@ -40,29 +40,41 @@ class Oracle:
         self.rng = random.Random(seed)
 
 
+def peaked(ids: list[int], hidden: mx.array, vocab: int) -> mx.array:
+    """Proposal logits for `hidden`'s slots whose per-slot argmax is `ids`: 0 there, far below
+    elsewhere (the slot's proposal probability is then 1)."""
+    logits = mx.where(mx.arange(vocab) == mx.array(ids)[:, None], 0.0, -1e9)
+    return logits.reshape(*hidden.shape[:-1], vocab)
+
+
 class OracleDraft(DFlashDraftModel):
     """A real draft whose proposals are replaced by the oracle's.
 
     The real forward still runs, so the draft cache bookkeeping is exercised; the proposals
-    make every accept pattern (0..B-1) happen, which a random draft never would.
+    make every accept pattern (0..B-1) happen, which a random draft never would. The forward
+    notes where the block sits; the proposal head then peaks at the oracle's tokens.
     """
 
     oracle: Oracle | None = None
+    pos = 0  # absolute position of block slot 0, noted by the forward
 
-    def propose(self, block_ids, context, cache, **kw):
-        tokens, q, conf = super().propose(block_ids, context, cache, **kw)
+    def __call__(self, block_ids, context, cache):
+        hidden = super().__call__(block_ids, context, cache)
+        self.pos = cache[0].offset
+        return hidden
+
+    def proposal_logits(self, hidden):
         if self.oracle is None:
-            return tokens, q, conf
+            return super().proposal_logits(hidden)
         o = self.oracle
-        pos = cache[0].offset  # absolute position of block slot 0
         out = []
-        for i in range(1, block_ids.shape[1]):
-            j = pos + i - o.prompt_len
+        for i in range(1, hidden.shape[-2] + 1):
+            j = self.pos + i - o.prompt_len
             tok = o.reference[j] if 0 <= j < len(o.reference) else 0
             if o.rng.random() < o.p_wrong:
                 tok = o.rng.randrange(self.config.vocab_size)
             out.append(tok)
-        return mx.array(out, dtype=mx.uint32), q, None  # no confidence: verified whole
+        return peaked(out, hidden, self.config.vocab_size)
 
 
 class Recording:

@@ -17,7 +17,7 @@ from dflash_mlx import Session, stream_generate, tiny
 from dflash_mlx.models.dflash import DFlashDraftModel
 from dflash_mlx.speculate.sampling import (SamplingParams, accept_count, rejection_sample_device,
                                           sampling_probs)
-from support.engine import float32_pair
+from support.engine import float32_pair, peaked
 from support.stats import binomial, chi_square
 
 N_DRAWS = 20_000
@@ -266,12 +266,12 @@ class FixedDraft(DFlashDraftModel):
 
     fixed: Proposals | None = None  # not a list: nn.Module would file a list as a child
 
-    def propose(self, block_ids, context, cache, **kw):
-        tokens, q, conf = super().propose(block_ids, context, cache, **kw)
+    def proposal_logits(self, hidden):
         if self.fixed is None:
-            return tokens, q, conf
-        ids = self.fixed.ids[: block_ids.shape[1] - 1]
-        return mx.array(ids, dtype=mx.uint32), q, None  # no confidence: verified whole
+            return super().proposal_logits(hidden)
+        slots = hidden.shape[-2]
+        assert len(self.fixed.ids) >= slots, "fewer fixed proposals than drafted slots"
+        return peaked(self.fixed.ids[:slots], hidden, self.config.vocab_size)
 
 
 def fixed_draft_pair(target_dir: Path, draft_dir: Path):
@@ -293,7 +293,8 @@ def engine_first_tokens(pair, params: SamplingParams, proposals: list[int], n: i
     for i in range(n):
         gen = stream_generate(pair, PROMPT, config, block_size=block_size, max_tokens=block_size,
                               temperature=params.temperature, top_p=params.top_p,
-                              top_k=params.top_k, seed=seed + i, session=session)
+                              top_k=params.top_k, seed=seed + i, session=session,
+                              lookup=False)  # the fixed ids, verified as proposed
         ev = next(gen)
         gen.close()
         assert ev.drafted == proposals[: block_size - 1]

@@ -51,8 +51,8 @@ class TreeOracleDraft(DFlashDraftModel):
 
     oracle: TreeOracle | None = None
 
-    def slot_hidden(self, block_ids, context, cache):
-        hidden = super().slot_hidden(block_ids, context, cache)
+    def __call__(self, block_ids, context, cache):
+        hidden = super().__call__(block_ids, context, cache)
         if self.oracle is not None:
             self.oracle.pos = cache[0].offset
         return hidden
@@ -60,7 +60,8 @@ class TreeOracleDraft(DFlashDraftModel):
     def proposal_logits(self, hidden):
         if self.oracle is None:
             return super().proposal_logits(hidden)
-        return mx.array(self.oracle.logits(hidden.shape[-2], self.config.vocab_size))
+        logits = self.oracle.logits(hidden.shape[-2], self.config.vocab_size)
+        return mx.array(logits).reshape(*hidden.shape[:-1], -1)
 
 
 RANKS = {  # P(reference at rank 0, 1, 2, 3, missing)
@@ -85,4 +86,4 @@ class FixedTreeDraft(DFlashDraftModel):
     def proposal_logits(self, hidden):
         if self.slots is None:
             return super().proposal_logits(hidden)
-        return mx.array(self.slots.logits[: hidden.shape[-2]])
+        return mx.array(self.slots.logits[: hidden.shape[-2]]).reshape(*hidden.shape[:-1], -1)
