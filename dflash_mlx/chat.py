@@ -7,9 +7,10 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from .checks import encode_prompt
+from .errors import InvalidArgumentError
 from .generate import BlockEvent, Session, stream_generate
 from .speculate import SpeculationConfig
-from .errors import InvalidArgumentError
 
 # How a registry entry passes its reasoning level to the chat template.
 REASONING_KWARGS = ("enable_thinking", "reasoning_effort", "reasoning_strength")
@@ -66,6 +67,21 @@ def apply_template(tokenizer, messages: list[dict], *, use_template: bool = True
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
     return list(out)
+
+
+def encoder(pair, template_kwargs: dict, use_template: bool = True):
+    """messages → prompt ids through the chat template (with the reasoning kwargs)."""
+    return lambda messages: apply_template(pair.tokenizer, messages, use_template=use_template,
+                                           kwargs=template_kwargs)
+
+
+def prompt_ids(pair, text: str, system: str | None, template_kwargs: dict,
+               use_template: bool = True) -> list[int]:
+    """One user message (and a system one) as prompt ids, checked against the target (its
+    context, its vocabulary) before anything slow runs."""
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": text})
+    return encode_prompt(pair, encoder(pair, template_kwargs, use_template)(messages))
 
 
 def _hf(tokenizer):
@@ -185,6 +201,7 @@ class Conversation:
 
     def send(self, text: str, **gen_kwargs) -> Iterator[BlockEvent]:
         """Stream the assistant's answer to `text`; the answer joins the history when done.
+        `gen_kwargs` go to `stream_generate` (block_size, max_tokens, sampling).
 
         An interrupted answer (generator closed) keeps the partial text in the history.
         """

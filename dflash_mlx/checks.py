@@ -1,7 +1,8 @@
-"""What a generation call accepts: block sizes, sampling settings, seeds and prompts.
+"""What a generation call accepts as text: prompts, system prompts, request bodies.
 
 Shared by the engine, the CLI and the server, so a bad value reads the same one line wherever it
-comes from, before anything is loaded or decoded.
+comes from, before anything is loaded or decoded. (Sampling settings check themselves:
+`SamplingParams`.)
 
 Text policy: prompts, system prompts and request bodies must be valid UTF-8 / Unicode. Text that
 is not (a stray byte, a lone surrogate) is refused with its position, never replaced with U+FFFD:
@@ -13,16 +14,6 @@ from __future__ import annotations
 import re
 
 from .errors import InvalidArgumentError
-from .speculate.sampling import SamplingParams, check_max_tokens
-
-
-def check_sampling(max_tokens: int, temp: float, top_p: float, top_k: int,
-                   seed: int | None) -> dict:
-    """stream_generate's sampling kwargs, validated by `SamplingParams` itself."""
-    SamplingParams(temp, top_p, top_k, seed)
-    check_max_tokens(max_tokens)
-    return {"max_tokens": max_tokens, "temperature": temp, "top_p": top_p, "top_k": top_k,
-            "seed": seed}
 
 
 # Python keeps argv and stdin bytes that are not UTF-8 as U+DC80..U+DCFF (surrogateescape); a

@@ -125,6 +125,16 @@ def break_even_tau(verify_cost: float, draft_cost: float) -> float:
     return verify_cost + draft_cost
 
 
+def slot_glyphs(ev: BlockEvent, accepted: int | None = None) -> str:
+    """One round's drafted slots as glyphs (the CLI's --verbose lines, the chat panel):
+    ▮/▯ accepted/rejected, ◆/◇ the same for a slot the context lookup filled, then · per slot
+    cut before verification (--min-confidence)."""
+    k = ev.accepted if accepted is None else accepted
+    looked = ev.lookup_flags or [False] * len(ev.drafted)
+    return "".join(("◆" if i < k else "◇") if lk else ("▮" if i < k else "▯")
+                   for i, lk in enumerate(looked)) + "·" * ev.trimmed
+
+
 def predicted_speedup(tau: float, verify_cost: float, draft_cost: float) -> float:
     """AR time per token / DFlash time per token, from costs relative to one AR step."""
     return tau / (verify_cost + draft_cost)

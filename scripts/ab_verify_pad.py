@@ -20,7 +20,8 @@ import sys
 import dflash_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx)
 
 from dflash_mlx import registry
-from dflash_mlx.cli import prepare
+from dflash_mlx.chat import encoder
+from dflash_mlx.engine import EngineSettings, open as open_engine
 from dflash_mlx.bench.runner import DATASETS, generate_once, load_prompts
 from dflash_mlx.errors import DFlashError
 
@@ -48,16 +49,16 @@ def main():
     except ValueError:
         _fail("--items takes FIRST-LAST (1-based); --repeats and --max-tokens at least 1")
     try:
-        pair, loaded = prepare.open_pair(registry.resolve(a.model, a.draft, False), None, "auto")
-        prepare.check_block_size(pair, a.block_size)
+        opened = open_engine(registry.resolve(a.model, a.draft, False),
+                             EngineSettings(block_size=a.block_size, tree=0))
     except DFlashError as e:
         _fail(str(e))
-    base = prepare.speculation(pair, loaded)
+    pair, base = opened.pair, opened.config
     pads = dict(base.verify_pad)
     if not pads:
         _fail("this machine's cost curve pads no verify width: nothing to compare")
     sampling = {**SAMPLING, "max_tokens": a.max_tokens}
-    encode = prepare.encoder(pair, {})
+    encode = encoder(pair, {})
     systems = {"ar": (1, {}), "unpadded": (a.block_size, {}), "padded": (a.block_size, pads)}
     order = list(systems)
     ratios = {"unpadded": [], "padded": []}

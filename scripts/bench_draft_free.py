@@ -20,7 +20,8 @@ import time
 import dflash_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx)
 from dflash_mlx import SpeculationConfig, registry, stream_generate
 from dflash_mlx.bench.runner import logit_margin
-from dflash_mlx.cli import prepare
+from dflash_mlx.chat import prompt_ids
+from dflash_mlx.engine import EngineSettings, open as open_engine
 from dflash_mlx.errors import DFlashError
 
 PROMPTS = [
@@ -57,9 +58,8 @@ def main() -> None:
     a = ap.parse_args()
     try:
         spec = registry.resolve(a.model, registry.LOOKUP)
-        pair, loaded = prepare.open_pair(spec, None, "auto", print)
-        prepare.check_block_size(pair, a.block_size)
-        lookup = prepare.speculation(pair, loaded, a.block_size, print)
+        opened = open_engine(spec, EngineSettings(block_size=a.block_size, tree=0), print)
+        pair, lookup = opened.pair, opened.config
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
@@ -69,7 +69,7 @@ def main() -> None:
     print(f"{a.model}: AR vs --draft lookup at block {a.block_size}, {a.max_tokens} tokens, "
           f"pads {dict(lookup.verify_pad)}")
     for i, text in enumerate(PROMPTS[: a.prompts]):
-        ids = prepare.prompt_ids(pair, text, None, {}, use_template=a.chat)
+        ids = prompt_ids(pair, text, None, {}, use_template=a.chat)
         runs = {}
         order = ("ar", "lookup") if i % 2 == 0 else ("lookup", "ar")
         for name in order:

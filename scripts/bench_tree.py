@@ -32,7 +32,7 @@ import numpy as np
 from dflash_mlx import registry, stream_generate
 from dflash_mlx.bench.runner import load_prompt_file, load_prompts, logit_margin
 from dflash_mlx.chat import apply_template
-from dflash_mlx.cli import prepare
+from dflash_mlx.engine import EngineSettings, open as open_engine
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.models.tree import tree_forward
 from dflash_mlx.speculate.proposal import slot_candidates
@@ -145,12 +145,13 @@ def main() -> None:
     a = ap.parse_args()
     try:
         spec = registry.resolve(a.model, a.draft, False)
-        pair, loaded = prepare.open_pair(spec, None, "auto", None)
+        opened = open_engine(spec, EngineSettings(tree=0))
+        pair = opened.pair
         texts = ([t[0] for t in load_prompt_file(a.prompts)[1]] if a.prompts
                  else default_prompts(a.per_set))[: a.num_prompts]
         trained = pair.draft.config.block_size
         blocks = [int(b) for b in a.blocks.split(",")] if a.blocks else sorted({5, trained})
-        defaults = {b: prepare.speculation(pair, loaded, b) for b in blocks}
+        defaults = {b: opened.config.replace(block_size=b) for b in blocks}
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)

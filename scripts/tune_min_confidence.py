@@ -41,10 +41,12 @@ import dflash_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx)
 import mlx.core as mx
 
 from dflash_mlx import registry, stream_generate
-from dflash_mlx.cli import prepare
 from dflash_mlx.bench.replay import keep_joint, record, replay  # keep_joint: the engine's rule
 from dflash_mlx.bench.runner import DATASETS, load_prompt_file, load_prompts
+from dflash_mlx.chat import encoder
+from dflash_mlx.engine import EngineSettings, open as open_engine
 from dflash_mlx.errors import DFlashError
+from dflash_mlx.speculate.proposal import propose
 
 THRESHOLDS = (0.0, 0.03, 0.05, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
 
@@ -72,7 +74,7 @@ def costs(pair, config, seq: list[int], block: int, reps: int = 9) -> tuple[floa
         tgt.truncate(cache, base)
 
     def draft_pass():  # a typical round: two new context rows, then a proposal
-        tokens = draft.propose(blk, taps[:, base - 3: base - 1], dcache, confidence=True)[0]
+        tokens = propose(draft, blk, taps[:, base - 3: base - 1], dcache, confidence=True)[0]
         mx.eval(tokens)
         for c in dcache:
             c.trim(2)
@@ -157,18 +159,17 @@ def measure(a, lo: int, hi: int) -> tuple[dict, tuple[float, float, dict], dict]
     """Records of items lo..hi of every bundled set, this machine's pass costs, and the
     verify widths the engine pads here."""
     try:
-        pair, loaded = prepare.open_pair(registry.resolve(a.model, a.draft, False), 4, "auto",
-                                         pad_verify=a.pad_verify)
-        prepare.check_block_size(pair, a.block_size)
+        opened = open_engine(registry.resolve(a.model, a.draft, False), EngineSettings(
+            block_size=a.block_size, tree=0, draft_bits=4, pad_verify=a.pad_verify))
     except DFlashError as e:
         _fail(str(e))
-    encode = prepare.encoder(pair, {})
+    pair, config = opened.pair, opened.config
+    encode = encoder(pair, {})
     records, firsts, last = {}, [], None
     for key, turns, timed in _items(a, lo, hi):
         last = encode([{"role": "user", "content": turns[0]}])
         records[key] = record(pair, last, a.block_size, a.max_tokens)
         firsts += [last] if timed else []
-    config = prepare.speculation(pair, loaded)
     passes = costs(pair, config, last, a.block_size)
     if a.costs == "passes":
         return records, passes, dict(config.verify_pad)

@@ -48,7 +48,7 @@ def test_first_divergence():
 
 def test_runs_interleave_and_alternate(tiny, monkeypatch):
     from dflash_mlx.utils import load
-    from dflash_mlx.cli.prepare import encoder
+    from dflash_mlx.chat import encoder
 
     pair = load(tiny.oracle_target, tiny.oracle_draft)
     whole = SpeculationConfig.for_pair(pair, min_confidence=0.0)

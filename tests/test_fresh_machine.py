@@ -19,7 +19,8 @@ from types import SimpleNamespace
 import pytest
 from typer.testing import CliRunner
 
-from dflash_mlx.cli import app, prepare
+from dflash_mlx import engine
+from dflash_mlx.cli import app
 from dflash_mlx.cpu import blas
 
 # What a child process reports after `import dflash_mlx`: the BLAS serving MLX and every
@@ -82,24 +83,24 @@ def test_loading_leaves_no_files_behind(tmp_path):
 
 
 def test_the_warning_names_the_fix_where_the_fast_blas_is_missing(monkeypatch):
-    monkeypatch.setattr(prepare.sys, "platform", "linux")
+    monkeypatch.setattr(engine.sys, "platform", "linux")
     monkeypatch.delenv(blas.ENV, raising=False)
     monkeypatch.setattr(blas, "status", lambda: {
         "active": "bundled reference BLAS", "library": None, "version": None,
         "reason": "cannot load libopenblasp-r0.3.33.so: libgfortran.so.5: cannot open shared "
                   "object file", "hint": "…"})
-    line = prepare.blas_warning()
+    line = engine.blas_warning()
     assert line.startswith("warning:") and line.endswith("fix: apt-get install libgfortran5")
     assert "libgfortran.so.5" in line and "\n" not in line
     monkeypatch.setenv(blas.ENV, "bundled")  # the user chose it: no nagging
-    assert prepare.blas_warning() is None
+    assert engine.blas_warning() is None
     monkeypatch.delenv(blas.ENV)
     monkeypatch.setattr(blas, "status", lambda: {"active": "OpenBLAS", "hint": None})
-    assert prepare.blas_warning() is None
+    assert engine.blas_warning() is None
 
 
 def test_generate_warns_once_without_the_fast_blas(tiny, isolated_cache, monkeypatch):
-    monkeypatch.setattr(prepare, "blas_warning", lambda: "warning: slow BLAS; fix: do X")
+    monkeypatch.setattr(engine, "blas_warning", lambda: "warning: slow BLAS; fix: do X")
     args = ["generate", "Hi", "--model", str(tiny.target), "--draft", str(tiny.draft),
             "--max-tokens", "2"]
     r = CliRunner().invoke(app, args)
@@ -128,8 +129,7 @@ def test_a_noisy_timing_pads_nothing_and_says_so(monkeypatch):
     monkeypatch.setattr(cost, "curve_for", lambda pair, key, say: (noisy, False))
     monkeypatch.setattr("dflash_mlx.cpu.policy.on_cpu", lambda: True)
     said: list[str] = []
-    pads = prepare.verify_pads(SimpleNamespace(draft=object()),
-                               SimpleNamespace(cost_key=lambda: "k"), said.append)
+    pads = engine.verify_pads(SimpleNamespace(draft=object()), "k", say=said.append)
     assert pads == {} and any("doctor --remeasure" in s and "40%" in s for s in said)
 
 

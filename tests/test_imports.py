@@ -1,6 +1,10 @@
 """The package's layering: imports point one way, there is no import cycle, only the CLI prints,
 and `import dflash_mlx` loads no model code.
 
+The direction: front-ends (`cli/ server/ tui/ bench/ train/`) → `engine` → `generate` →
+`speculate/` → `models/`. No front-end imports the CLI; the CLI imports the server and the TUI
+only inside the commands that launch them.
+
 Read from the source with `ast`, so every import counts, the lazy ones inside functions too.
 """
 
@@ -22,6 +26,7 @@ LAYERS = [
      "dflash_mlx.cpu.policy"),
     # networks, formats, and the speculation core's pure parts
     ("dflash_mlx.models", "dflash_mlx.gguf", "dflash_mlx.checks", "dflash_mlx.speculate.sampling",
+     "dflash_mlx.speculate.grammar", "dflash_mlx.speculate.processors",
      "dflash_mlx.speculate.tree", "dflash_mlx.speculate.lookup", "dflash_mlx.speculate.guards",
      "dflash_mlx.speculate.config", "dflash_mlx.speculate.proposal"),
     ("dflash_mlx.speculate", "dflash_mlx.utils", "dflash_mlx.tiny", "dflash_mlx.demo",
@@ -29,15 +34,28 @@ LAYERS = [
     ("dflash_mlx.generate",),
     ("dflash_mlx.stats", "dflash_mlx.chat", "dflash_mlx.registry", "dflash_mlx.cpu.cost",
      "dflash_mlx.cpu.tree_budget"),
+    ("dflash_mlx.engine",),  # the one assembly every front-end opens a pair through
     ("dflash_mlx.bench", "dflash_mlx.train", "dflash_mlx.server"),
-    # the user-facing layer: commands, the server's and the trainer's command code, the TUI
-    ("dflash_mlx.cli", "dflash_mlx.server.cli", "dflash_mlx.train.cli", "tui"),
+    # the user-facing layer: commands, the trainer's command code, the TUI
+    ("dflash_mlx.cli", "dflash_mlx.train.cli", "tui"),
 ]
 # The one upward import, and why: the package's first lines arm the CLI's Ctrl-C guard when the
 # `dflash-mlx` command imports it (cli/signals.py imports nothing of the package).
 ALLOWED_UPWARD = {("dflash_mlx", "dflash_mlx.cli.signals")}
 # Modules that may print (write to the terminal): the command line and the TUI only.
-SPEAKERS = ("dflash_mlx.cli", "dflash_mlx.server.cli", "dflash_mlx.train.cli", "tui")
+SPEAKERS = ("dflash_mlx.cli", "dflash_mlx.train.cli", "tui")
+FRONT_ENDS = ("dflash_mlx.cli", "dflash_mlx.server", "dflash_mlx.bench", "dflash_mlx.train", "tui")
+CORE = ("dflash_mlx.engine", "dflash_mlx.generate", "dflash_mlx.speculate", "dflash_mlx.models")
+# (modules, what they must not import, why), lazy imports included
+DIRECTION = [
+    (("dflash_mlx.server", "tui"), ("dflash_mlx.cli",), "a front-end imports no other"),
+    (CORE, FRONT_ENDS, "the engine and what it runs serve the front-ends"),
+    (("dflash_mlx.speculate",), ("dflash_mlx.generate", "dflash_mlx.engine", "dflash_mlx.cli",
+                                 "dflash_mlx.server"), "the speculation core runs below generate"),
+    (("dflash_mlx.models",), ("dflash_mlx.speculate",), "networks know no speculation policy"),
+]
+# ...and what the CLI may import only inside the command that launches it
+LAUNCHED = ("dflash_mlx.server", "tui")
 
 
 def module_files() -> dict[str, Path]:
@@ -76,17 +94,29 @@ def _resolve(name: str) -> str | None:
     return name or None
 
 
-def imports_of(module: str) -> set[str]:
-    """The package modules `module` imports, lazily or not (TYPE_CHECKING blocks excluded)."""
-    path = MODULES[module]
-    is_pkg = path.name == "__init__.py"
-    tree = ast.parse(path.read_text())
+def _nodes(tree: ast.AST, top_only: bool):
+    """Every node of `tree`; with `top_only`, those that run on import (no function bodies)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if not (top_only and isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef
+                                            | ast.Lambda)):
+                stack.append(child)
+
+
+def imports_in(module: str, source: str, is_pkg: bool = False,
+               top_only: bool = False) -> set[str]:
+    """The package modules `source` (the text of `module`) imports: lazily or not, or with
+    `top_only` on import only (TYPE_CHECKING blocks excluded)."""
+    tree = ast.parse(source)
     typing_only = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
             typing_only.update(id(n) for n in ast.walk(node))
     out = set()
-    for node in ast.walk(tree):
+    for node in _nodes(tree, top_only):
         if id(node) in typing_only:
             continue
         if isinstance(node, ast.Import):
@@ -115,6 +145,11 @@ def imports_of(module: str) -> set[str]:
     return out
 
 
+def imports_of(module: str, top_only: bool = False) -> set[str]:
+    path = MODULES[module]
+    return imports_in(module, path.read_text(), path.name == "__init__.py", top_only)
+
+
 GRAPH = {m: imports_of(m) for m in MODULES}
 
 
@@ -139,6 +174,51 @@ def test_imports_point_down():
               for m, deps in GRAPH.items() for d in deps
               if layer(d) > layer(m) and (m, d) not in ALLOWED_UPWARD]
     assert not upward, "\n".join(upward)
+
+
+def _under(module: str, prefixes) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def wrong_way(graph: dict[str, set[str]], top_graph: dict[str, set[str]]) -> list[str]:
+    """The imports against DIRECTION, and the CLI's on-import imports of what it launches."""
+    bad = [f"{m} imports {d}: {why}" for who, banned, why in DIRECTION
+           for m, deps in graph.items() if _under(m, who)
+           for d in sorted(deps) if _under(d, banned)]
+    bad += [f"{m} imports {d} on import: only the command that launches it may"
+            for m, deps in top_graph.items() if _under(m, ("dflash_mlx.cli",))
+            for d in sorted(deps) if _under(d, LAUNCHED)]
+    return bad
+
+
+def test_imports_point_one_way():
+    top = {m: imports_of(m, top_only=True) for m in MODULES}
+    assert not (bad := wrong_way(GRAPH, top)), "\n".join(bad)
+
+
+@pytest.mark.parametrize("module, source, top_only", [
+    ("dflash_mlx.server.app", "from ..cli import render", False),
+    ("dflash_mlx.server.app", "def f():\n    import dflash_mlx.cli.render", False),
+    ("tui.app", "from dflash_mlx.cli.options import app", False),
+    ("dflash_mlx.engine", "def f():\n    from .server import app", False),
+    ("dflash_mlx.generate", "from .bench import runner", False),
+    ("dflash_mlx.speculate.rounds", "from ..generate import Session", False),
+    ("dflash_mlx.speculate.rounds", "from .. import engine", False),
+    ("dflash_mlx.models.dflash", "from ..speculate import sampling", False),
+    ("dflash_mlx.cli.main", "from ..server import app", True),
+    ("dflash_mlx.cli.main", "import tui.launch", True),
+])
+def test_a_wrong_way_import_is_caught(module, source, top_only):
+    deps = imports_in(module, source, top_only=top_only)
+    assert wrong_way({module: deps}, {module: deps}), (module, source)
+
+
+def test_the_cli_may_launch_lazily():
+    source = "def chat():\n    from tui.launch import run_chat\n    from ..server import app\n"
+    top = imports_in("dflash_mlx.cli.commands", source, top_only=True)
+    lazy = imports_in("dflash_mlx.cli.commands", source)
+    assert top == set() and lazy == {"tui.launch", "dflash_mlx.server.app"}
+    assert wrong_way({"dflash_mlx.cli.commands": lazy}, {"dflash_mlx.cli.commands": top}) == []
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:

@@ -173,11 +173,11 @@ def test_non_special_added_tokens_stay_as_today(tmp_path):
 
 
 def test_generate_and_raw_mode_through_the_cli_helper(tiny_tok):
-    """`generate` builds its prompt with cli.prepare.prompt_ids: the template path is plain,
+    """`generate` builds its prompt with chat.prompt_ids: the template path is plain,
     `--no-chat-template` keeps the specials (raw mode)."""
     from types import SimpleNamespace
 
-    from dflash_mlx.cli.prepare import prompt_ids
+    from dflash_mlx.chat import prompt_ids
 
     # prompt_ids checks the ids against the target: a context and a vocabulary that fit them
     target = SimpleNamespace(context_length=None, vocab_size=len(tiny_tok.get_vocab()))

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dflash_mlx.engine import EngineSettings
+
 from .launch import registry_loader, run_chat
 from .settings import DEFAULT_MAX_TOKENS, ChatSettings
 
@@ -17,7 +19,7 @@ def _block(text: str) -> int | str:
 
 
 def _tree(text: str) -> int | str:
-    from dflash_mlx.cli.prepare import parse_tree
+    from dflash_mlx.engine import parse_tree
     from dflash_mlx.errors import InvalidArgumentError
 
     try:
@@ -60,11 +62,11 @@ def main(argv: list[str] | None = None) -> int:
                             temperature=a.temp, top_p=a.top_p, top_k=a.top_k,
                             max_tokens=a.max_tokens, seed=a.seed, reasoning=a.reasoning,
                             system_prompt=a.system_prompt)
-    loader = registry_loader(settings, model=a.model, draft=a.draft, no_draft=a.no_draft,
-                             draft_bits=a.draft_bits, weights=a.weights,
-                             block_size=1 if a.no_draft else block,
-                             min_confidence=a.min_confidence, lookup=not a.no_lookup,
-                             tree=a.tree)
+    wanted = EngineSettings(block_size=1 if a.no_draft else block, tree=a.tree,
+                            min_confidence=a.min_confidence, lookup=not a.no_lookup,
+                            draft_bits=a.draft_bits, weights=a.weights)
+    loader = registry_loader(settings, wanted, model=a.model, draft=a.draft,
+                             no_draft=a.no_draft)
     return run_chat(settings, loader, resume=a.resume)
 
 

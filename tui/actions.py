@@ -143,8 +143,7 @@ class ChatActions:
                                  kwargs=self.conversation.template_kwargs)
             s = self.settings
             for ev in stream_generate(self.pair, ids, block_size=1, max_tokens=BASELINE_TOKENS,
-                                      temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                      seed=s.seed):
+                                      sampling=s.sampling):
                 stats.add(ev)
                 if worker.is_cancelled:
                     break

@@ -1,8 +1,8 @@
 """Build and run the app from command-line settings (`python -m tui` and `dflash-mlx chat`).
 
-Model resolution is the CLI's own (`registry.resolve` → `prepare.open_pair` →
-`prepare.choose_block`), run inside the app's loading worker so a bad model or a failed
-download shows up in the app, not as a traceback.
+The pair opens through the engine every front-end uses (`registry.resolve` → `engine.open`),
+inside the app's loading worker, so a bad model or a failed download shows up in the app,
+not as a traceback.
 """
 
 from __future__ import annotations
@@ -12,40 +12,34 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+from dflash_mlx.engine import EngineSettings
+
 from .settings import ChatSettings
 
 
-def registry_loader(settings: ChatSettings, *, model: str | None = None,
-                    draft: str | None = None, no_draft: bool = False, draft_bits: int | None = None,
-                    weights: str = "auto", block_size: int | str = 5,
-                    min_confidence: float | None = None, lookup: bool = True,
-                    tree: int | str = 0) -> Callable:
-    """A loader for the app's worker; it also settles block size and reasoning in `settings`.
+def registry_loader(settings: ChatSettings, wanted: EngineSettings = EngineSettings(), *,
+                    model: str | None = None, draft: str | None = None,
+                    no_draft: bool = False) -> Callable:
+    """A loader for the app's worker; it also settles block size, tree and reasoning in
+    `settings`.
 
     Args:
-        block_size: a size, or "auto" (from the measured verify cost, as in `generate`).
-        min_confidence: the cut of unsure draft slots (None: the device's default).
-        lookup: context lookup for the draft's unsure slots (`dflash_mlx/proposal.py`).
-        tree: draft-tree nodes per round, or "auto" (as in `generate`); settles
-            `settings.tree`. Where the pair verifies one path, a note goes to `progress`.
+        wanted: what to open and how to speculate (`engine.open` settles `auto` and the
+            registry's defaults); notes, such as a tree that cannot run, go to `progress`.
     """
 
     def loader(progress):
-        from dflash_mlx import registry
-        from dflash_mlx.cli import prepare
+        from dflash_mlx import engine, registry
 
         spec = registry.resolve(model, draft, no_draft)
         registry.reasoning_kwargs(spec.entry, settings.reasoning)  # checks the level
-        pair, loaded = prepare.open_pair(spec, draft_bits, weights, progress, min_confidence,
-                                         lookup)
-        settings.block_size = prepare.choose_block(pair, loaded, block_size, progress)
+        opened = engine.open(spec, wanted, progress)
+        settings.block_size, settings.tree = opened.block_size, opened.config.tree
         entry = spec.entry
         if entry is not None and entry.reasoning_kwarg:
             settings.reasoning_kwarg = entry.reasoning_kwarg
             settings.reasoning = settings.reasoning or entry.reasoning_default
-        config = prepare.speculation(pair, loaded, settings.block_size, progress)
-        settings.tree = prepare.choose_tree(pair, loaded, tree, settings.block_size, progress)
-        return pair, config.replace(tree=settings.tree)
+        return opened.pair, opened.config
 
     return loader
 

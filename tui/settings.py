@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from dflash_mlx.chat import REASONING_KWARGS, template_kwargs
+from dflash_mlx.speculate.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 2048
 LEVELS = ("off", "low", "medium", "high")
@@ -33,11 +34,21 @@ class ChatSettings:
     provenance: bool = True
     tree: int = 0
 
+    @classmethod
+    def from_sampling(cls, sampling: SamplingParams, **rest) -> "ChatSettings":
+        return cls(temperature=sampling.temperature, top_p=sampling.top_p,
+                   top_k=sampling.top_k, seed=sampling.seed, **rest)
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """How each turn samples (checked by `SamplingParams` itself)."""
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              seed=self.seed)
+
     def gen_kwargs(self) -> dict:
         """Keyword arguments for `Conversation.send` / `stream_generate`."""
         return {"block_size": self.block_size, "max_tokens": self.max_tokens,
-                "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                "seed": self.seed}
+                "sampling": self.sampling}
 
     def template_kwargs(self) -> dict:
         return template_kwargs(self.reasoning, self.reasoning_kwarg)

@@ -41,22 +41,24 @@ def chat(
     from tui.launch import registry_loader, run_chat
     from tui.settings import ChatSettings
 
-    from . import prepare
-    from .. import registry
+    from .prompt import check_arg_text
+    from .. import engine, registry
+    from ..speculate.sampling import SamplingParams, check_max_tokens
 
-    prepare.check_sampling(max_tokens, temp, top_p, top_k, seed)
-    prepare.check_load_options(draft_bits, weights, min_confidence)
-    prepare.check_arg_text(system_prompt, "--system-prompt")
-    (requested,) = [1] if no_draft else prepare.parse_block_sizes(block_size, allow_list=False)
-    tree = prepare.parse_tree(tree)
+    params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
+    check_max_tokens(max_tokens)
+    check_arg_text(system_prompt, "--system-prompt")
+    (requested,) = [1] if no_draft else engine.parse_block_sizes(block_size, allow_list=False)
+    wanted = engine.EngineSettings(block_size=requested, tree=engine.parse_tree(tree),
+                                   min_confidence=min_confidence, lookup=lookup,
+                                   draft_bits=draft_bits, weights=weights)
+    engine.check(wanted)
     # a bad name or registry file: one line before the app starts (the loader resolves again)
     registry.reasoning_kwargs(registry.resolve(model, draft, no_draft).entry, reasoning)
-    settings = ChatSettings(block_size=requested if isinstance(requested, int) else 5,
-                            temperature=temp, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                            seed=seed, reasoning=reasoning, system_prompt=system_prompt)
-    loader = registry_loader(settings, model=model, draft=draft, no_draft=no_draft,
-                             draft_bits=draft_bits, weights=weights, block_size=requested,
-                             min_confidence=min_confidence, lookup=lookup, tree=tree)
+    settings = ChatSettings.from_sampling(
+        params, block_size=requested if isinstance(requested, int) else 5,
+        max_tokens=max_tokens, reasoning=reasoning, system_prompt=system_prompt)
+    loader = registry_loader(settings, wanted, model=model, draft=draft, no_draft=no_draft)
     raise typer.Exit(run_chat(settings, loader, resume=resume))
 
 
@@ -97,19 +99,20 @@ def serve(
     """Serve the pair over an OpenAI-compatible API: /v1/chat/completions, /v1/completions
     (streaming or not), /v1/models, /health. One generation at a time, the rest queued.
     Under mlx.launch rank 0 serves and the target is sharded across the ranks."""
-    from . import prepare
-    from .. import registry
-    from ..server import cli as server_cli
+    from . import serve as server
+    from .. import engine, registry
+    from ..speculate.sampling import SamplingParams, check_max_tokens
 
-    prepare.check_sampling(max_tokens, temp, top_p, top_k, None)
-    (requested,) = [1] if no_draft else prepare.parse_block_sizes(block_size, allow_list=False)
-    server_cli.serve(registry.resolve(model, draft, no_draft), requested, draft_bits=draft_bits,
-                     weights=weights, min_confidence=min_confidence, lookup=lookup,
-                     tree=prepare.parse_tree(tree), host=host,
-                     port=port, api_key=api_key,
-                     model_name=served_model_name, queue_size=queue_size, log_level=log_level,
-                     defaults={"max_tokens": max_tokens, "temperature": temp, "top_p": top_p,
-                               "top_k": top_k, "client_templates": allow_client_templates})
+    defaults = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k)
+    check_max_tokens(max_tokens)
+    (requested,) = [1] if no_draft else engine.parse_block_sizes(block_size, allow_list=False)
+    wanted = engine.EngineSettings(block_size=requested, tree=engine.parse_tree(tree),
+                                   min_confidence=min_confidence, lookup=lookup,
+                                   draft_bits=draft_bits, weights=weights)
+    server.serve(registry.resolve(model, draft, no_draft), wanted, host=host, port=port,
+                 api_key=api_key, model_name=served_model_name, queue_size=queue_size,
+                 log_level=log_level, max_tokens=max_tokens, sampling=defaults,
+                 client_templates=allow_client_templates)
 
 
 @app.command("train-draft")

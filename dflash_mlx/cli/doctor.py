@@ -104,13 +104,12 @@ def run(*, model, draft, no_draft, draft_bits, weights, shape, tau, repeats, con
         remeasure, as_json) -> None:
     """`dflash-mlx doctor`: machine facts, BLAS, the verify-cost curve (cached), the block
     size and the tree budget it recommends."""
-    from .. import machine as facts
+    from .. import engine, machine as facts
     from ..cpu import cost
     from ..speculate.rounds import tree_unavailable
-    from . import prepare
 
     _check(shape, tau, repeats, context, seconds)
-    prepare.check_load_options(draft_bits, weights)
+    engine.check(engine.EngineSettings(draft_bits=draft_bits, weights=weights))
     say = None if as_json else render.progress
     report = {"versions": facts.versions(), "machine": facts.machine(), "blas": blas_report()}
     if say:
@@ -159,16 +158,16 @@ def _check(shape, tau, repeats, context, seconds) -> None:
 
 def _subject(model, draft, no_draft, draft_bits, weights, shape, say):
     """(pair, cache key, a description, the block size `generate` would run) of what is timed."""
-    from .. import registry
+    from .. import engine, registry
     from ..cpu import cost
-    from . import prepare
 
     if model is not None:
-        # its curve is measured below: no cached one needed to open it
-        pair, loaded = prepare.open_pair(registry.resolve(model, draft, no_draft), draft_bits,
-                                         weights, say, pad_verify=False)
+        # loaded only: its curve is measured below, no cached one is needed to open it
+        settings = engine.EngineSettings(draft_bits=draft_bits, weights=weights)
+        pair, loaded = engine.load(registry.resolve(model, draft, no_draft), settings, say,
+                                   say and render.note)
         subject = f"{loaded.spec.target} + {loaded.spec.draft or 'no draft (draft cost left out)'}"
-        return pair, loaded.cost_key(), subject, prepare.default_block(loaded.spec.entry)
+        return pair, loaded.cost_key(), subject, engine.default_block(loaded.spec.entry)
     pair = synthetic_pair(shape, weights)
     key = cost.model_key(f"synthetic:{shape}", None, pair.weights, "synthetic-draft", 4)
     subject = (f"built-in random {shape}-shaped target ({pair.weights}) with a "

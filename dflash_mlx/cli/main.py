@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -69,46 +69,48 @@ def generate(
     api_key: ApiKeyOpt = None,
 ):
     """Generate a reply: DFlash speculative decoding, exactly the target's own output."""
-    from . import prepare
-    from .. import registry
-    from ..server import cli as server_cli
+    from . import serve
+    from .prompt import check_arg_text, read_prompt
+    from .. import engine, registry
+    from ..chat import prompt_ids
+    from ..speculate.sampling import SamplingParams, check_max_tokens
 
-    sampling = prepare.check_sampling(max_tokens, temp, top_p, top_k, seed)
-    tree = prepare.parse_tree(tree)
-    prepare.check_arg_text(system_prompt, "--system-prompt")
-    if server_cli.is_remote(backend, base_url):
+    params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
+    check_max_tokens(max_tokens)
+    tree = engine.parse_tree(tree)
+    check_arg_text(system_prompt, "--system-prompt")
+    if serve.is_remote(backend, base_url):
         if check_parity or events or verbose:
             raise InvalidArgumentError("--check-parity, --events and --verbose need the local "
                                        "engine (--backend local)")
-        text = prepare.read_prompt(prompt_arg, prompt)
-        return server_cli.generate(base_url, api_key, model, text, system_prompt, reasoning,
-                                   not no_chat_template, sampling, quiet)
-    (requested,) = [1] if no_draft else prepare.parse_block_sizes(block_size, allow_list=False)
+        text = read_prompt(prompt_arg, prompt)
+        return serve.remote_generate(base_url, api_key, model, text, system_prompt, reasoning,
+                                     not no_chat_template, params, max_tokens, quiet)
+    (requested,) = [1] if no_draft else engine.parse_block_sizes(block_size, allow_list=False)
+    settings = engine.EngineSettings(
+        block_size=requested, tree=tree, min_confidence=min_confidence, lookup=lookup,
+        pad_verify=pad_verify, draft_bits=draft_bits, weights=weights)
+    engine.check(settings)
     from ..distributed import is_speaker, shared_seed, world
 
-    if (group := world()) is not None:  # mlx.launch: same decisions everywhere, rank 0 speaks
-        if requested == "auto":  # per-rank timings would pick different widths
-            raise InvalidArgumentError("--block-size auto is not available under mlx.launch: "
-                                       "give a number")
-        pad_verify, sampling["seed"] = False, shared_seed(seed, group)
-        tree = 0 if tree == "auto" else tree  # per-rank curves could choose different trees
+    if (group := world()) is not None:  # mlx.launch: one seed everywhere, rank 0 speaks
+        params = replace(params, seed=shared_seed(seed, group))
         if not is_speaker(group):
             quiet, verbose, events, sys.stdout = True, False, None, open(os.devnull, "w")
-    if check_parity and temp > 0:
+    if check_parity and not params.greedy:
         raise InvalidArgumentError("--check-parity compares greedy outputs: use it with --temp 0")
-    text = prepare.read_prompt(prompt_arg, prompt)
+    text = read_prompt(prompt_arg, prompt)
     spec = registry.resolve(model, draft, no_draft)
     template_kwargs = registry.reasoning_kwargs(spec.entry, reasoning)
     writer = render.EventsWriter(events) if events else None
-    pair, loaded = prepare.open_pair(spec, draft_bits, weights, _say(quiet), min_confidence,
-                                      lookup, pad_verify)
-    block = prepare.choose_block(pair, loaded, requested, None if quiet else render.note)
-    ids = prepare.prompt_ids(pair, text, system_prompt, template_kwargs, not no_chat_template)
-    config = prepare.speculation(pair, loaded, block, _say(quiet))
-    config = config.replace(tree=prepare.choose_tree(pair, loaded, tree, block,
-                                                     None if quiet else render.note))
-    stats, tokens, interrupted, peak = _stream(pair, ids, config, sampling, writer, verbose,
-                                               notes=is_speaker(group))
+    say, note = _say(quiet), None if quiet else render.note
+    pair, loaded = engine.load(spec, settings, say, note)
+    # the prompt against the target's context and vocabulary, before anything is timed
+    ids = prompt_ids(pair, text, system_prompt, template_kwargs, not no_chat_template)
+    opened = engine.settle(pair, loaded, settings, say, note)
+    config, block = opened.config, opened.block_size
+    stats, tokens, interrupted, peak = _stream(pair, ids, config, params, max_tokens, writer,
+                                               verbose, notes=is_speaker(group))
     if not quiet:
         for line in render.stats_lines(stats, peak, block):
             render.err.print(line, soft_wrap=True, markup=False)
@@ -125,7 +127,9 @@ def generate(
         writer.summary({
             "versions": versions(), **loaded.models(), "block_size": block,
             "min_confidence": config.min_confidence, "lookup": config.lookup, "tree": config.tree,
-            "verify_pad": dict(config.verify_pad), "sampling": sampling, "chat_template": not no_chat_template, "reasoning": reasoning,
+            "verify_pad": dict(config.verify_pad),
+            "sampling": serve.request_fields(params, max_tokens),
+            "chat_template": not no_chat_template, "reasoning": reasoning,
             "prompt_ids": len(ids), "stats": stats.as_dict(), "peak_memory_gb": round(peak, 4),
             "interrupted": bool(interrupted), "parity": asdict(parity) if parity else None,
         })
@@ -136,7 +140,7 @@ def generate(
         raise typer.Exit(1)
 
 
-def _stream(pair, ids, config, sampling, writer, verbose, notes=True):
+def _stream(pair, ids, config, params, max_tokens, writer, verbose, notes=True):
     """Stream blocks to stdout; Ctrl-C stops at a block boundary with the caches intact.
     `notes`: say the engine's notes (under mlx.launch rank 0 alone does)."""
     import mlx.core as mx
@@ -146,7 +150,7 @@ def _stream(pair, ids, config, sampling, writer, verbose, notes=True):
 
     stats, tokens, out = Stats(), [], render.TextStream()
     mx.reset_peak_memory()
-    gen = stream_generate(pair, ids, config, **sampling)
+    gen = stream_generate(pair, ids, config, sampling=params, max_tokens=max_tokens)
     interrupted = 0  # else the exit code: 130 Ctrl-C, 143 SIGTERM
     try:
         for i, ev in enumerate(gen):
@@ -273,42 +277,47 @@ def benchmark(
     With --backend openai: completion tokens/s of a server, τ and acceptance where it reports
     them (first user turn of each item).
     """
+    from . import serve
+    from .. import engine, registry
     from ..bench import runner as bench
-    from . import prepare
-    from .. import registry
-    from ..server import cli as server_cli
+    from ..chat import encoder
     from ..machine import machine, versions
+    from ..speculate.sampling import SamplingParams, check_max_tokens
 
-    sampling = prepare.check_sampling(max_tokens, temp, top_p, top_k, seed)
-    if server_cli.is_remote(backend, base_url):
-        return server_cli.benchmark(base_url, api_key, model, dataset, prompts, num_prompts,
-                                    concurrency, sampling, reasoning, out)
+    params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
+    check_max_tokens(max_tokens)
+    if serve.is_remote(backend, base_url):
+        return serve.remote_benchmark(base_url, api_key, model, dataset, prompts, num_prompts,
+                                      concurrency, params, max_tokens, reasoning, out)
     if concurrency != 1:
         raise InvalidArgumentError("--concurrency goes with --backend openai (the local engine "
                                    "runs one stream)")
     spec = registry.resolve(model, draft)
     template_kwargs = registry.reasoning_kwargs(spec.entry, reasoning)
     if block_size is None:  # the registry entry's
-        block_size = str(prepare.default_block(spec.entry))
-    blocks = prepare.parse_block_sizes(block_size, allow_auto=False)
+        block_size = str(engine.default_block(spec.entry))
+    blocks = engine.parse_block_sizes(block_size, allow_auto=False)
+    # one path: the benchmark compares block sizes
+    wanted = engine.EngineSettings(
+        block_size=blocks[0], sweep=tuple(blocks[1:]), tree=0, min_confidence=min_confidence,
+        lookup=lookup, pad_verify=pad_verify, draft_bits=draft_bits, weights=weights)
+    engine.check(wanted)
     if repeats < 1:
         raise InvalidArgumentError("--repeats must be at least 1")
     metas, sets = bench.select_prompts(dataset, prompts, num_prompts)
     names = list(sets)
     if out is not None:
         render.EventsWriter(out, "--out").close()  # fail now, not after the run
-    pair, loaded = prepare.open_pair(spec, draft_bits, weights, render.progress, min_confidence,
-                                      lookup, pad_verify)
-    for b in blocks:
-        prepare.check_block_size(pair, b)
-    config = prepare.speculation(pair, loaded, say=render.progress)
-    encode = prepare.encoder(pair, template_kwargs)
-    samples = bench.run(pair, sets, encode, block_sizes=blocks, sampling=sampling,
+    opened = engine.open(spec, wanted, render.progress, render.note)
+    pair, config, loaded = opened.pair, opened.config, opened.loaded
+    samples = bench.run(pair, sets, encoder(pair, template_kwargs), block_sizes=blocks,
+                        sampling={"sampling": params, "max_tokens": max_tokens},
                         repeats=repeats, progress=render.note, config=config)
-    rows = bench.summarize(samples, blocks, greedy=temp == 0)
+    rows = bench.summarize(samples, blocks, greedy=params.greedy)
     render.out.print(render.bench_table(rows, f"{loaded.spec.target} + {loaded.spec.draft}"))
     if out is not None:
-        settings = {**sampling, "block_sizes": blocks, "min_confidence": config.min_confidence,
+        settings = {**serve.request_fields(params, max_tokens), "block_sizes": blocks,
+                    "min_confidence": config.min_confidence,
                     "lookup": config.lookup, "verify_pad": dict(config.verify_pad),
                     "num_prompts": max(len(v) for v in sets.values()),
                     "repeats": repeats, "reasoning": reasoning, "datasets": names,

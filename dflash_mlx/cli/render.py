@@ -62,20 +62,13 @@ class TextStream:
             self.last = "\n"
 
 
-def slot_glyphs(ev, accepted: int | None = None) -> str:
-    """One glyph per drafted slot: ▮/▯ accepted/rejected, ◆/◇ the same for a slot the context
-    lookup filled, then · per slot cut before verification (--min-confidence)."""
-    k = ev.accepted if accepted is None else accepted
-    looked = ev.lookup_flags or [False] * len(ev.drafted)
-    return "".join(("◆" if i < k else "◇") if lk else ("▮" if i < k else "▯")
-                   for i, lk in enumerate(looked)) + "·" * ev.trimmed
-
-
 def block_line(index: int, ev) -> str:
     """`--verbose`: one line per verify round."""
     timing = f"draft {ev.draft_s * 1e3:6.1f} ms  verify {ev.verify_s * 1e3:6.1f} ms"
     if not ev.drafted and not ev.trimmed:
         return f"#{index:<4} AR  {' ' * 12}{timing}  {ev.text!r}"
+    from ..stats import slot_glyphs  # here: stats loads mlx, which `import dflash_mlx.cli` must not
+
     bar = slot_glyphs(ev)
     own = len(ev.tokens) - min(ev.accepted, len(ev.tokens))
     # a tree round: the path shown is the accepted one; how many of its tokens were branches

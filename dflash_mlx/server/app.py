@@ -200,7 +200,7 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
                                                pair.target.context_length, cfg.max_tokens)
 
         opts, ids, max_tokens = await preparer.run(prepare, await read_body(request))
-        job = Job(ids, {**opts["sampling"], "max_tokens": max_tokens}, opts["stop"])
+        job = Job(ids, opts["sampling"], opts["stop"], max_tokens=max_tokens)
         try:
             worker.submit(job)
         except Busy:

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import mlx.core as mx
 import numpy as np
 
 from ..generate import Session, stream_generate
-from ..speculate import SpeculationConfig
+from ..speculate import SamplingParams, SpeculationConfig
 from .worker import Worker
 
 
@@ -59,16 +59,27 @@ def agree(group, stop: bool) -> bool:
     return bool(_sum(mx.array(int(stop), mx.int32), group).item())
 
 
-def describe(ids: list[int], sampling: dict, config: SpeculationConfig, session: int) -> dict:
-    """A generation as JSON: ints stay exact at any size, floats round-trip by repr."""
-    conf = {f.name: getattr(config, f.name) for f in fields(config)}
-    conf["verify_pad"] = sorted(config.verify_pad.items())  # JSON keys would become strings
-    return {"ids": list(ids), "sampling": sampling, "config": conf, "session": session}
+def _fields(obj) -> dict:
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
+def describe(ids: list[int], sampling: SamplingParams, max_tokens: int,
+             config: SpeculationConfig, session: int) -> dict:
+    """A generation as JSON: ints stay exact at any size, floats round-trip by repr. Maps
+    with int keys go as pairs (JSON keys would become strings)."""
+    conf = {**_fields(config), "verify_pad": sorted(config.verify_pad.items())}
+    params = _fields(sampling)
+    return {"ids": list(ids), "sampling": params, "max_tokens": max_tokens, "config": conf,
+            "session": session}
 
 
 def _config(conf: dict) -> SpeculationConfig:
     return SpeculationConfig(**{**conf, "verify_pad": {int(w): int(p)
                                                         for w, p in conf["verify_pad"]}})
+
+
+def _sampling(params: dict) -> SamplingParams:
+    return SamplingParams(**params)
 
 
 def lead(events, group):
@@ -109,12 +120,12 @@ class Leader(Worker):
         return super()._new_session()
 
     def _generate(self, job):
-        sampling = dict(job.sampling)
-        if sampling.get("seed") is None:  # one key stream on every rank
-            sampling["seed"] = random.getrandbits(32)
-        send(self.group, describe(job.ids, sampling, self.config, self.sessions))
+        sampling = job.sampling
+        if sampling.seed is None:  # one key stream on every rank
+            sampling = replace(sampling, seed=random.getrandbits(32))
+        send(self.group, describe(job.ids, sampling, job.max_tokens, self.config, self.sessions))
         return lead(stream_generate(self.pair, job.ids, self.config, session=self.session,
-                                    **sampling), self.group)
+                                    sampling=sampling, max_tokens=job.max_tokens), self.group)
 
     def close(self, timeout: float = 30.0) -> None:
         super().close(timeout)
@@ -136,6 +147,7 @@ def follow(pair, group) -> None:
             session, started = Session.new(pair, conf), msg["session"]
         try:
             _follow_one(stream_generate(pair, msg["ids"], conf, session=session,
-                                        **msg["sampling"]), group)
+                                        sampling=_sampling(msg["sampling"]),
+                                        max_tokens=msg["max_tokens"]), group)
         except Exception:  # rank 0 met the same error: it answers the client, and says above
             pass           # whether the session is still good

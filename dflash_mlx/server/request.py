@@ -15,9 +15,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ..chat import apply_template
-from ..speculate.sampling import MAX_SEED
 from ..checks import check_text, decode_text, encode_prompt, is_text
 from ..errors import InvalidArgumentError
+from ..speculate.sampling import SamplingParams, check_max_tokens
 
 MAX_BODY = 8 * 1024 * 1024
 MAX_STOPS = 16
@@ -53,9 +53,7 @@ class ServerConfig:
     aliases: tuple[str, ...] = ()
     api_key: str | None = None
     max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # a request's defaults
     entry: object = None  # the registry entry: how reasoning reaches the chat template
     info: dict = field(default_factory=dict)  # shown in /v1/models
     # run chat templates a client sends (Jinja on the server's CPU): off unless the operator asks
@@ -119,26 +117,23 @@ def settings(body: dict, cfg: ServerConfig) -> dict:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise APIError(400, "'stream_options' must be an object", "stream_options")
-    top_k = _number(body, "top_k", cfg.top_k, integer=True)
-    sampling = {
-        "temperature": float(_number(body, "temperature", cfg.temperature)),
-        "top_p": float(_number(body, "top_p", cfg.top_p)),
-        "top_k": 0 if top_k == -1 else top_k,  # vLLM's "disabled"
-        "seed": _number(body, "seed", None, integer=True),
-    }
-    seed = sampling["seed"]
-    if seed is not None and not 0 <= seed <= MAX_SEED:
-        raise APIError(400, f"'seed' must be between 0 and 2**64-1, got {_short(repr(seed))}",
-                       "seed")
+    default = cfg.sampling
+    top_k = _number(body, "top_k", default.top_k, integer=True)
+    try:  # SamplingParams checks itself; its message starts with the field's name
+        sampling = SamplingParams(
+            temperature=_number(body, "temperature", default.temperature),
+            top_p=_number(body, "top_p", default.top_p),
+            top_k=0 if top_k == -1 else top_k,  # vLLM's "disabled"
+            seed=_number(body, "seed", None, integer=True))
+    except InvalidArgumentError as e:
+        raise APIError(400, str(e), str(e).split()[0]) from None
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = _number({"max_tokens": limit}, "max_tokens", None, integer=True)
-    from ..checks import check_sampling
-
-    try:
-        check_sampling(1 if max_tokens is None else max_tokens, sampling["temperature"], sampling["top_p"],
-                       sampling["top_k"], sampling["seed"])
-    except InvalidArgumentError as e:
-        raise APIError(400, str(e)) from None
+    if max_tokens is not None:
+        try:
+            check_max_tokens(max_tokens)
+        except InvalidArgumentError as e:
+            raise APIError(400, str(e), "max_tokens") from None
     return {"stream": stream, "include_usage": bool(options.get("include_usage")),
             "sampling": sampling, "max_tokens": max_tokens, "stop": _stops(body)}
 

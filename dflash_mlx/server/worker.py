@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..generate import Session, stream_generate
-from ..speculate import SpeculationConfig
+from ..speculate import SamplingParams, SpeculationConfig
 from ..errors import DFlashError, InvalidArgumentError
 from ..stats import Stats
 
@@ -80,8 +80,9 @@ class Job:
     """One request: prompt ids, sampling settings, stop strings, and the way back to HTTP."""
 
     ids: list[int]
-    sampling: dict
+    sampling: SamplingParams
     stop: list[str] = field(default_factory=list)
+    max_tokens: int = 256
     loop: asyncio.AbstractEventLoop | None = None
     messages: asyncio.Queue | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -135,7 +136,7 @@ class Worker:
     def _generate(self, job: Job):
         """The job's block events (under mlx.launch, `follower.Leader` runs them in step)."""
         return stream_generate(self.pair, job.ids, self.config, session=self.session,
-                               **job.sampling)
+                               sampling=job.sampling, max_tokens=job.max_tokens)
 
     def start(self) -> "Worker":
         self.thread.start()

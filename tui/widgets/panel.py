@@ -10,8 +10,7 @@ from textual.content import Content
 from textual.widgets import Sparkline, Static
 
 from dflash_mlx.generate import BlockEvent
-from dflash_mlx.cli.render import slot_glyphs
-from dflash_mlx.stats import Stats, break_even_tau
+from dflash_mlx.stats import Stats, break_even_tau, slot_glyphs
 
 from .provenance import ProvenanceLegend
 

@@ -1,5 +1,7 @@
-"""CLI glue for the OpenAI-compatible pieces: `serve`, and `generate`/`benchmark` with
-`--backend openai`. Only `cli.py` calls this module; it prints through `render` like cli.py.
+"""The commands' OpenAI-compatible side: `serve`, and `generate`/`benchmark --backend openai`.
+
+The server itself (`dflash_mlx/server/`) is imported inside the functions that launch or call
+it, so the command line loads it only for these commands.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from pathlib import Path
 
 import typer
 
-from ..cli import render
+from . import render
+from .. import engine
 from ..errors import DFlashError, InvalidArgumentError
+from ..speculate.sampling import SamplingParams
 
 BACKENDS = ("local", "openai")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -30,17 +34,23 @@ def is_remote(backend: str, base_url: str | None) -> bool:
     return backend == "openai"
 
 
+def request_fields(params: SamplingParams, max_tokens: int) -> dict:
+    """The sampling settings as OpenAI request fields (and as cards and summaries record them)."""
+    return {"max_tokens": max_tokens, "temperature": params.temperature, "top_p": params.top_p,
+            "top_k": params.top_k, "seed": params.seed}
+
+
 def _messages(text: str, system: str | None) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": text}]
 
 
-def generate(base_url: str, api_key: str | None, model: str | None, text: str,
-             system: str | None, reasoning: str | None, use_template: bool, sampling: dict,
-             quiet: bool) -> None:
+def remote_generate(base_url: str, api_key: str | None, model: str | None, text: str,
+                    system: str | None, reasoning: str | None, use_template: bool,
+                    params: SamplingParams, max_tokens: int, quiet: bool) -> None:
     """`generate --backend openai`: stream one completion and render it like a local one."""
-    from .openai_client import OpenAIClient
     from ..registry import reasoning_kwargs
+    from ..server.openai_client import OpenAIClient
 
     if not use_template and system:
         raise InvalidArgumentError("--system-prompt needs the chat template (drop "
@@ -48,7 +58,7 @@ def generate(base_url: str, api_key: str | None, model: str | None, text: str,
     client = OpenAIClient(base_url, api_key)
     prompt = _messages(text, system) if use_template else text
     stream = client.stream(prompt, model=model, template_kwargs=reasoning_kwargs(None, reasoning),
-                           meta_info=True, **sampling)
+                           meta_info=True, **request_fields(params, max_tokens))
     out, interrupted = render.TextStream(), False
     try:
         for delta in stream:
@@ -67,13 +77,14 @@ def generate(base_url: str, api_key: str | None, model: str | None, text: str,
         raise typer.Exit(130)
 
 
-def benchmark(base_url: str, api_key: str | None, model: str | None, dataset: str,
-              prompts: Path | None, num_prompts: int | None, concurrency: int, sampling: dict, reasoning: str | None,
-              out: Path | None) -> None:
+def remote_benchmark(base_url: str, api_key: str | None, model: str | None, dataset: str,
+                     prompts: Path | None, num_prompts: int | None, concurrency: int,
+                     params: SamplingParams, max_tokens: int, reasoning: str | None,
+                     out: Path | None) -> None:
     """`benchmark --backend openai`: completion tokens/s at a concurrency, τ where reported."""
     from ..bench import runner as bench
-    from .openai_client import OpenAIClient, run_benchmark, summarize
     from ..registry import reasoning_kwargs
+    from ..server.openai_client import OpenAIClient, run_benchmark, summarize
 
     if concurrency < 1:
         raise InvalidArgumentError("--concurrency must be at least 1")
@@ -83,14 +94,15 @@ def benchmark(base_url: str, api_key: str | None, model: str | None, dataset: st
     # the first user turn of each item: the server's own answers would make turns 2+ differ
     sets = {n: [_messages(turns[0], None) for turns in found] for n, found in items.items()}
     client = OpenAIClient(base_url, api_key)
-    runs = run_benchmark(client, sets, model=model, concurrency=concurrency, sampling=sampling,
+    fields = request_fields(params, max_tokens)
+    runs = run_benchmark(client, sets, model=model, concurrency=concurrency, sampling=fields,
                          template_kwargs=reasoning_kwargs(None, reasoning), progress=render.note)
     rows = summarize(runs)
     render.out.print(render.remote_bench_table(rows, f"{model or 'served model'} at {client.v1}"))
     if out is not None:
         card = {"schema": REMOTE_CARD_SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "server": client.v1, "model": model,
-                "settings": {**sampling, "concurrency": concurrency, "reasoning": reasoning,
+                "settings": {**fields, "concurrency": concurrency, "reasoning": reasoning,
                              "datasets": {n: {**metas[n], "used": len(v)}
                                           for n, v in sets.items()}},
                 "results": rows}
@@ -98,17 +110,9 @@ def benchmark(base_url: str, api_key: str | None, model: str | None, dataset: st
         render.note(f"card written to {out}")
 
 
-def serve(spec, requested, *, draft_bits: int | None, weights: str, min_confidence: float | None,
-          lookup: bool, host: str, port: int, tree: int | str = 0,
-          api_key: str | None, model_name: str | None, queue_size: int, log_level: str,
-          defaults: dict) -> None:
-    """`serve`: bind, load the pair, then answer until Ctrl-C. Under mlx.launch rank 0 does
-    that while the other ranks follow its generations (`follower`)."""
-    from ..cli import prepare
-    from ..distributed import end_with_launcher, world
-    from .app import ServerConfig, bind, serve as run
-    from .worker import Worker
-
+def check_options(*, host: str, port: int, api_key: str | None, queue_size: int,
+                  log_level: str) -> None:
+    """`serve`'s own options, checked before anything is loaded."""
     if queue_size < 1:
         raise InvalidArgumentError(f"--queue-size must be at least 1, got {queue_size}")
     if log_level not in LOG_LEVELS:
@@ -120,39 +124,45 @@ def serve(spec, requested, *, draft_bits: int | None, weights: str, min_confiden
                                    "clients send headers as ASCII)")
     if not 0 <= port <= 65535:
         raise InvalidArgumentError(f"--port must be between 0 and 65535, got {port}")
-    prepare.check_load_options(draft_bits, weights, min_confidence)
+
+
+def serve(spec, settings: engine.EngineSettings, *, host: str, port: int, api_key: str | None,
+          model_name: str | None, queue_size: int, log_level: str, max_tokens: int,
+          sampling: SamplingParams, client_templates: bool) -> None:
+    """`serve`: bind, open the engine, then answer until Ctrl-C. Under mlx.launch rank 0 does
+    that while the other ranks follow its generations (`server/follower.py`)."""
+    from ..distributed import end_with_launcher, world
+    from ..server.app import ServerConfig, bind, serve as run
+    from ..server.worker import Worker
+
+    check_options(host=host, port=port, api_key=api_key, queue_size=queue_size,
+                  log_level=log_level)
+    engine.check(settings)
     group = world()
-    if group is not None and requested == "auto":  # per-rank timings would pick other widths
-        raise InvalidArgumentError("--block-size auto is not available under mlx.launch: "
-                                   "give a number")
     if group is not None and group.rank() != 0:  # quiet: rank 0 speaks and serves
-        from .follower import follow
+        from ..server.follower import follow
 
         try:
-            pair, loaded = prepare.open_pair(spec, draft_bits, weights, None, min_confidence,
-                                             lookup, pad_verify=False)
-            prepare.choose_block(pair, loaded, requested)
+            # every rank checks the same settings; rank 0 sends its config with each request
+            opened = engine.open(spec, settings)
             end_with_launcher()
-            return follow(pair, group)
+            return follow(opened.pair, group)
         except RuntimeError as e:  # a collective failed: rank 0 ended, and said why
             raise DFlashError(f"rank {group.rank()} stopped: {e}") from None
     sock = bind(host, port)
     try:
-        # no verify padding across ranks: it comes from this machine's timings
-        pair, loaded = prepare.open_pair(spec, draft_bits, weights, render.progress,
-                                         min_confidence, lookup, pad_verify=group is None)
-        block = prepare.choose_block(pair, loaded, requested, render.note)
-        config = prepare.speculation(pair, loaded, block, render.progress)
         # one setting for the server (every request); a note here if one path runs instead
-        config = config.replace(tree=prepare.choose_tree(pair, loaded, tree, block, render.note))
+        opened = engine.open(spec, settings, render.progress, render.note)
     except BaseException:
         sock.close()
         raise
+    pair, config, block = opened.pair, opened.config, opened.block_size
     model_id = model_name or (spec.entry.name if spec.entry else spec.target)
-    aliases = tuple({spec.target, str(loaded.target_path)} - {model_id})
+    aliases = tuple({spec.target, str(opened.loaded.target_path)} - {model_id})
     info = {"target": spec.target, "draft": spec.draft, "block_size": block,
             "tree": config.tree, "weights": pair.weights}
-    cfg = ServerConfig(model_id, aliases, api_key, entry=spec.entry, info=info, **defaults)
+    cfg = ServerConfig(model_id, aliases, api_key, max_tokens=max_tokens, sampling=sampling,
+                       entry=spec.entry, info=info, client_templates=client_templates)
     bound = sock.getsockname()[1]
     where = f"[{host}]" if ":" in host else host
     how = f"DFlash block {block}" if block > 1 else "plain autoregressive"
@@ -163,7 +173,7 @@ def serve(spec, requested, *, draft_bits: int | None, weights: str, min_confiden
     if group is None:
         worker = Worker(pair, config, queue_size)
     else:
-        from .follower import Leader
+        from ..server.follower import Leader
 
         end_with_launcher()
         worker = Leader(pair, config, group, queue_size)
