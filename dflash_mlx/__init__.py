@@ -26,9 +26,9 @@ _PUBLIC = {
     "Session": ".generate",
     "stream_generate": ".generate",
     "SpeculationConfig": ".speculate",
-    "Pair": ".utils",
-    "load": ".utils",
-    "pair_from_models": ".utils",
+    "Pair": ".loader",
+    "load": ".loader",
+    "pair_from_models": ".loader",
     "DraftConfig": ".models.config",
     "DFlashError": ".errors",
 }
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from .generate import BlockEvent, Session, stream_generate
     from .models.config import DraftConfig
     from .speculate import SpeculationConfig
-    from .utils import Pair, load, pair_from_models
+    from .loader import Pair, load, pair_from_models
 
 
 def __getattr__(name: str):

@@ -7,7 +7,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from .checks import encode_prompt
+from .inputs import encode_prompt
 from .errors import InvalidArgumentError
 from .generate import BlockEvent, Session, stream_generate
 from .speculate import SpeculationConfig

@@ -137,7 +137,7 @@ def load(spec: registry.Spec, settings: EngineSettings = EngineSettings(), say: 
     """The first half of `open`: download what `spec` names (narrow patterns, progress bars)
     and load it, as (pair, Loaded). A front-end with checks of its own that need the pair (a
     prompt against its context) runs them between this and `settle`, before any timing."""
-    from .utils import DRAFT_PATTERNS, MODEL_PATTERNS, load as load_pair, resolve
+    from .loader import DRAFT_PATTERNS, MODEL_PATTERNS, load as load_pair, resolve
 
     settings = _agreed(settings)
     note = note or say

@@ -19,7 +19,7 @@ from typing import Iterator
 import mlx.core as mx
 from mlx_lm.generate import wired_limit
 
-from .checks import encode_prompt
+from .inputs import encode_prompt
 from .errors import InvalidArgumentError
 from .speculate import SamplingParams, SpeculationConfig, check_block_size, guards
 from .speculate.rounds import Round, path_round, tree_budget, tree_round

@@ -25,7 +25,7 @@ def worker(folder: Path, tokens: int, repeats: int) -> None:
     from dflash_mlx.distributed import world
     from dflash_mlx.generate import stream_generate
     from dflash_mlx.speculate import SpeculationConfig
-    from dflash_mlx.utils import load
+    from dflash_mlx.loader import load
 
     group = world()
     pair = load(folder / "target", folder / "draft", draft_bits=16, weights="float32")

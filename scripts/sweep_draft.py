@@ -76,7 +76,7 @@ def score(folder: Path, target, held, block: int) -> dict:
     """Per-answer (accepted, rounds) of the greedy walk, and τ per block at uniform anchors."""
     from dflash_mlx.models import draft_vocab
     from dflash_mlx.train.eval import heldout_batches, heldout_tau, walk_counts
-    from dflash_mlx.utils import load_draft
+    from dflash_mlx.loader import load_draft
 
     draft = load_draft(folder)
     draft.set_dtype(mx.float32)
@@ -140,7 +140,7 @@ def main():
     from dflash_mlx.train.data import load_shards
 
     if args.model:
-        from dflash_mlx.utils import load
+        from dflash_mlx.loader import load
 
         target = load(args.model, None).target
     else:

@@ -12,7 +12,7 @@ import mlx.core as mx
 from dflash_mlx.demo.target import demo_target_path
 from dflash_mlx.models.dflash import DFlashDraftModel
 from dflash_mlx.gguf.reader import load_gguf
-from dflash_mlx.utils import convert_weights
+from dflash_mlx.loader import convert_weights
 from dflash_mlx.models.target import Target
 from dflash_mlx.train.config import TrainConfig
 from dflash_mlx.train.trainer import new_draft_config, pick_mask_token, train

@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from dflash_mlx.models import draft_vocab
 from dflash_mlx.demo.target import load_demo_feature_target
-from dflash_mlx.utils import check_pair, load_draft
+from dflash_mlx.loader import check_pair, load_draft
 from dflash_mlx.train.config import TrainConfig
 from dflash_mlx.train.trainer import train
 from dflash_mlx.train.data import load_shards, self_distill_features, split_heldout

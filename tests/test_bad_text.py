@@ -1,5 +1,5 @@
 """Text that is not text: bytes that are not UTF-8 and lone surrogates, on stdin, in argv and in
-server request bodies. The policy (checks.py): refused with the byte or character and where it
+server request bodies. The policy (inputs.py): refused with the byte or character and where it
 is, never replaced with U+FFFD. The CLI says so in one line and exits 2; the server answers a
 400 OpenAI-style body naming the field, and goes on serving."""
 
@@ -13,7 +13,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from dflash_mlx.checks import check_text, decode_text
+from dflash_mlx.inputs import check_text, decode_text
 from dflash_mlx.cli import app
 from dflash_mlx.errors import InvalidArgumentError
 from support import server as ss

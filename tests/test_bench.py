@@ -47,7 +47,7 @@ def test_first_divergence():
 
 
 def test_runs_interleave_and_alternate(tiny, monkeypatch):
-    from dflash_mlx.utils import load
+    from dflash_mlx.loader import load
     from dflash_mlx.chat import encoder
 
     pair = load(tiny.oracle_target, tiny.oracle_draft)
@@ -76,7 +76,7 @@ def test_runs_interleave_and_alternate(tiny, monkeypatch):
 def test_rows_count_the_lookup_share(tiny):
     """A row's lookup share is its accepted context-lookup slots over all tokens it generated
     (the tiny target repeats itself, so the lookup has matches); none without the lookup."""
-    from dflash_mlx.utils import load
+    from dflash_mlx.loader import load
 
     pair = load(tiny.target, tiny.draft)
     whole = SpeculationConfig.for_pair(pair, min_confidence=0.0)
@@ -99,7 +99,7 @@ def test_rows_count_the_lookup_share(tiny):
 
 
 def test_multi_turn_history_uses_the_ar_answer(tiny):
-    from dflash_mlx.utils import load
+    from dflash_mlx.loader import load
 
     pair = load(tiny.target, tiny.draft)
     seen = []
@@ -115,7 +115,7 @@ def test_multi_turn_history_uses_the_ar_answer(tiny):
 
 
 def test_parity_helpers(tiny):
-    from dflash_mlx.utils import load
+    from dflash_mlx.loader import load
 
     pair = load(tiny.oracle_target, tiny.oracle_draft)
     ids = pair.tokenizer.encode("hello")

@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 from dflash_mlx.models.config import DraftConfig, build_target_layer_ids
 from dflash_mlx.models.dflash import KEY_REMAP, DFlashDraftModel
 from dflash_mlx.errors import CheckpointError, ConfigError
-from dflash_mlx.utils import load_draft
+from dflash_mlx.loader import load_draft
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints"
 ZLAB = FIXTURES / "qwen3-4b-dflash-b16.config.json"
@@ -319,7 +319,7 @@ def test_draft_stored_quantized_loads_dense(tmp_path):
     from mlx.utils import tree_flatten
 
     from dflash_mlx import tiny
-    from dflash_mlx.utils import load_draft
+    from dflash_mlx.loader import load_draft
 
     dense_dir = tiny.make_draft(tmp_path / "dense")
     q_dir = tmp_path / "q8"

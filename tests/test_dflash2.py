@@ -17,7 +17,7 @@ from dflash_mlx.generate import Session
 from dflash_mlx.models.dflash2 import DFlash2DraftModel, GroupedDynamicConv
 from dflash_mlx.models.dflash import DFlashDraftModel
 from dflash_mlx.errors import CheckpointError, ConfigError
-from dflash_mlx.utils import load_draft
+from dflash_mlx.loader import load_draft
 from dflash_mlx.speculate.proposal import propose
 from dflash_mlx.speculate.sampling import SamplingParams, sampling_probs
 from support.dflash2 import MASK, PROMPT, T, V

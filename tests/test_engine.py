@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from dflash_mlx import SpeculationConfig, load, stream_generate
 from dflash_mlx.generate import Session
-from dflash_mlx.utils import convert_weights, load_draft, pair_from_models
+from dflash_mlx.loader import convert_weights, load_draft, pair_from_models
 from dflash_mlx.models.target import Target
 from dflash_mlx.speculate.proposal import full_block, greedy_tokens, propose
 from dflash_mlx import tiny

@@ -334,7 +334,7 @@ def test_hub_cache_that_is_a_file(tiny, isolated_cache, tmp_path, monkeypatch):
 # -- atomic writes and chat transcripts ----------------------------------------------------------
 
 def test_atomic_writes_keep_every_old_file_when_one_fails(tmp_path, monkeypatch):
-    from dflash_mlx.files import write_all_atomic
+    from dflash_mlx.atomic import write_all_atomic
 
     files = {tmp_path / f"f{i}": f"old {i}" for i in range(4)}
     for p, text in files.items():
@@ -348,7 +348,7 @@ def test_atomic_writes_keep_every_old_file_when_one_fails(tmp_path, monkeypatch)
 
 
 def test_atomic_write_into_a_read_only_folder(tmp_path, monkeypatch):
-    from dflash_mlx.files import write_atomic
+    from dflash_mlx.atomic import write_atomic
 
     (path := tmp_path / "f.json").write_text("old")
     with read_only(tmp_path, monkeypatch), pytest.raises(PermissionError):

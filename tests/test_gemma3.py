@@ -199,7 +199,7 @@ def gemma_path():
 
 @pytest.fixture(scope="module")
 def gemma_pair(gemma_path):
-    from dflash_mlx.utils import load
+    from dflash_mlx.loader import load
 
     return load(gemma_path, None, weights="float32")
 

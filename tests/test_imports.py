@@ -25,11 +25,11 @@ LAYERS = [
     ("dflash_mlx", "dflash_mlx.errors", "dflash_mlx.cpu", "dflash_mlx.cpu.blas",
      "dflash_mlx.cpu.policy"),
     # networks, formats, and the speculation core's pure parts
-    ("dflash_mlx.models", "dflash_mlx.gguf", "dflash_mlx.checks", "dflash_mlx.speculate.sampling",
+    ("dflash_mlx.models", "dflash_mlx.gguf", "dflash_mlx.inputs", "dflash_mlx.speculate.sampling",
      "dflash_mlx.speculate.grammar", "dflash_mlx.speculate.processors",
      "dflash_mlx.speculate.tree", "dflash_mlx.speculate.lookup", "dflash_mlx.speculate.guards",
      "dflash_mlx.speculate.config", "dflash_mlx.speculate.proposal"),
-    ("dflash_mlx.speculate", "dflash_mlx.utils", "dflash_mlx.tiny", "dflash_mlx.demo",
+    ("dflash_mlx.speculate", "dflash_mlx.loader", "dflash_mlx.tiny", "dflash_mlx.demo",
      "dflash_mlx.machine", "dflash_mlx.distributed"),
     ("dflash_mlx.generate",),
     ("dflash_mlx.stats", "dflash_mlx.chat", "dflash_mlx.registry", "dflash_mlx.cpu.cost",

@@ -6,7 +6,7 @@ import pytest
 
 from dflash_mlx import registry
 from dflash_mlx.errors import ConfigError, InvalidArgumentError, ModelNotFoundError
-from dflash_mlx.utils import DRAFT_PATTERNS, MODEL_PATTERNS
+from dflash_mlx.loader import DRAFT_PATTERNS, MODEL_PATTERNS
 
 
 @pytest.fixture(autouse=True)

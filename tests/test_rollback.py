@@ -20,7 +20,7 @@ from dflash_mlx.errors import SpeculationUnsupportedError
 from dflash_mlx.models.hybrid import target_for
 from dflash_mlx.models.rotating import WindowCache, WindowTarget
 from dflash_mlx.models.target import RollbackError, Target
-from dflash_mlx.utils import pair_from_models
+from dflash_mlx.loader import pair_from_models
 from support.engine import Oracle, OracleDraft, float32_pair, mlx_lm_greedy
 from support.stats import chi_square
 from support.tiers import slow_after
@@ -348,11 +348,11 @@ def test_unknown_cache_type_refuses_speculation_but_runs_ar(qwen_dirs):
 
 
 def test_cli_refuses_an_unknown_cache_with_one_line(qwen_dirs, isolated_cache, monkeypatch):
-    from dflash_mlx import utils
+    from dflash_mlx import loader
     from dflash_mlx.cli import app
 
     model, tok = sink_model(qwen_dirs[0])
-    monkeypatch.setattr(utils, "load_target", lambda path, **kw: (model, tok))
+    monkeypatch.setattr(loader, "load_target", lambda path, **kw: (model, tok))
     runner = CliRunner()
     t, d = (str(p) for p in qwen_dirs)
     r = runner.invoke(app, ["generate", "hi", "--model", t, "--draft", d, "--max-tokens", "4"])

@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step
 
 from dflash_mlx import SpeculationConfig, load, stream_generate, tiny
 from dflash_mlx.models.dflash import DFlashDraftModel
-from dflash_mlx.utils import load_draft
+from dflash_mlx.loader import load_draft
 from dflash_mlx.stats import Stats
 from dflash_mlx.train.blocks import BlockSampler, packed_hidden
 from dflash_mlx.train.config import TrainConfig
@@ -426,7 +426,7 @@ def test_walked_rounds_are_the_engines_rounds(trained):
     greedy DFlash decoding of the same prompt accepted (the walked τ is decoding's τ)."""
     import numpy as np
 
-    from dflash_mlx.utils import pair_from_models
+    from dflash_mlx.loader import pair_from_models
     from dflash_mlx.train.eval import walk_counts, walk_runs, walk_tau
     from dflash_mlx.train.data import FeatureShard
 

@@ -74,7 +74,7 @@ BAD_ARGS = [
 def test_bad_argument_is_one_line_before_anything_runs(case, data, tmp_path, monkeypatch):
     _, extra, expected = case
     loaded = []
-    monkeypatch.setattr("dflash_mlx.utils.load", lambda *a, **k: loaded.append(a))
+    monkeypatch.setattr("dflash_mlx.loader.load", lambda *a, **k: loaded.append(a))
     r = runner.invoke(app, train_args(*data, tmp_path / "out", *extra))
     assert r.stderr.count("\n") == 1  # nothing before the error either
     one_error_line(r, expected)

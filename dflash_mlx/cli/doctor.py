@@ -19,7 +19,7 @@ import typer
 from . import render
 from ..cpu import blas
 from ..errors import InvalidArgumentError
-from ..utils import DRAFT_GROUP_SIZE, Pair, _quantizable, convert_weights, pair_from_models, weights_dtype
+from ..loader import DRAFT_GROUP_SIZE, Pair, _quantizable, convert_weights, pair_from_models, weights_dtype
 
 SYNTH_DRAFT_LAYERS = 5  # z-lab drafts have 5 layers
 # Built-in shapes for a synthetic curve: the demo target's, a larger one, and a test-sized one.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ..checks import check_text, decode_text
+from ..inputs import check_text, decode_text
 from ..errors import InvalidArgumentError
 
 

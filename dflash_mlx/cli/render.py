@@ -152,7 +152,7 @@ class EventsWriter:
 
 def write_file(path: Path, text: str, flag: str) -> None:
     """Write an output file (a benchmark card) whole or not at all; a failure is one line."""
-    from ..files import write_atomic
+    from ..atomic import write_atomic
 
     try:
         write_atomic(path, text)

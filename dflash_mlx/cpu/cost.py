@@ -22,7 +22,7 @@ from ..speculate.proposal import propose
 from . import blas
 
 if TYPE_CHECKING:
-    from ..utils import Pair
+    from ..loader import Pair
 
 WIDTHS = tuple(range(1, 9))
 # Tree verify widths (a tree of N nodes is one pass of N + 1 rows; `tree_budget.py`): only
@@ -331,7 +331,7 @@ def _tree_ok(c: CostCurve, num) -> bool:
 
 
 def _write(path: Path, data: dict) -> None:
-    from ..files import write_atomic
+    from ..atomic import write_atomic
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(data, indent=1))  # never half a cache, even on a full disk

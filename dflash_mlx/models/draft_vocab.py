@@ -63,7 +63,7 @@ def most_frequent(predictions: Iterable, size: int, always: Iterable[int] = (),
 
 
 def save(folder: Path, ids: list[int], coverage: float, source: str) -> Path:
-    from ..files import write_atomic
+    from ..atomic import write_atomic
 
     return write_atomic(Path(folder) / FILENAME, json.dumps(
         {"size": len(ids), "coverage": round(coverage, 5), "source": source, "ids": ids}))

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ..chat import apply_template
-from ..checks import check_text, decode_text, encode_prompt, is_text
+from ..inputs import check_text, decode_text, encode_prompt, is_text
 from ..errors import InvalidArgumentError
 from ..speculate.sampling import SamplingParams, check_max_tokens
 

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ..errors import DFlashError, InvalidArgumentError
-from ..files import make_writable_folder
+from ..atomic import make_writable_folder
 
 console = Console(stderr=True)
 
@@ -171,7 +171,7 @@ def run(model: str | None, out: Path, *, features: Path | None, prompts: int, ma
     import mlx.core as mx
 
     from ..models.dflash import DFlashDraftModel
-    from ..utils import check_pair, load, load_draft
+    from ..loader import check_pair, load, load_draft
     from .config import TrainConfig
     from .trainer import TrainingStoppedError, new_draft_config, pick_mask_token, train
     from .data import feature_taps, load_shards, split_heldout

@@ -18,7 +18,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ..errors import TrainingDataError
-from ..files import write_atomic
+from ..atomic import write_atomic
 from ..models.target import Target
 
 def self_distill_features(target: Target, tokenizer, prompts: list[str], out_dir: Path, *,

@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..models.dflash import DFlashDraftModel
 from ..errors import (CheckpointError, InvalidArgumentError, TrainingDataError,
                       TrainingStoppedError)
-from ..files import write_all_atomic
+from ..atomic import write_all_atomic
 from .blocks import BlockSampler, packed_hidden
 from .config import TrainConfig
 from .data import FeatureShard

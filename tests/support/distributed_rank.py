@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten
 from dflash_mlx.distributed import world
 from dflash_mlx.generate import stream_generate
 from dflash_mlx.speculate import SpeculationConfig
-from dflash_mlx.utils import load
+from dflash_mlx.loader import load
 
 
 def generate(pair, case: dict) -> tuple[list[int], list[list[int]]]:
