@@ -22,7 +22,8 @@ from mlx_lm.generate import wired_limit
 from .inputs import encode_prompt
 from .errors import InvalidArgumentError
 from .speculate import SamplingParams, SpeculationConfig, check_block_size, guards
-from .speculate.rounds import Round, path_round, tree_budget, tree_round
+from .speculate.grammar import Grammar
+from .speculate.rounds import Request, Round, path_round, tree_budget, tree_round
 from .speculate.sampling import check_max_tokens
 
 
@@ -70,10 +71,15 @@ class BlockEvent:
     generation_tokens: int
     finish_reason: str | None = None
     trimmed: int = 0  # drafted slots cut before verification for low draft confidence
+    grammar_cut: int = 0  # drafted slots cut before verification: the grammar forbids them
     lookup_flags: list[bool] = field(default_factory=list)  # per drafted slot: from context lookup
     note: str | None = None  # a one-line notice for the user (e.g. the switch to plain AR)
     tree_nodes: int = 0  # a tree round (SpeculationConfig.tree): nodes verified besides slot 0
     branch_tokens: int = 0  # ... accepted tokens that came off the draft's argmax path
+    # per token in `tokens`, when asked: its log-probability and the top alternatives as
+    # (id, log-probability), after the logits processors and before temperature (mlx-lm's)
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -202,8 +208,10 @@ class _Budget:
         return new, None
 
 
-def _settle(pair, config: SpeculationConfig, session: Session | None) -> tuple[Session, bool]:
-    """Check `config` against `pair` once per call: (the session to use, draft-free or not)."""
+def _settle(pair, config: SpeculationConfig, session: Session | None,
+            params: SamplingParams) -> tuple[Session, bool]:
+    """Check the call's settings against `pair` once: (the session to use, draft-free or not)."""
+    params.processing.check_vocab(pair.target.vocab_size)
     # no draft, but the context lookup may still propose: draft-free speculation
     lookup_only = config.draft_free and config.block_size > 1
     if lookup_only and pair.draft is not None:
@@ -254,6 +262,7 @@ def stream_generate(
     min_confidence: float | None = None,
     lookup: bool | None = None,
     sampling: SamplingParams | None = None,
+    logprobs: int | None = None,
 ) -> Iterator[BlockEvent]:
     """Generate with DFlash speculation (block_size > 1) or plain AR (block_size == 1).
 
@@ -267,6 +276,8 @@ def stream_generate(
         session: reuse caches across calls; only the tokens the prompt adds are prefilled.
         block_size, min_confidence, lookup: override those fields of `config` (None keeps
             them). Exactness depends on none of them, only the cost of a round does.
+        logprobs: give each event the emitted tokens' log-probabilities and this many top
+            alternatives per token (0: none; None: no log-probabilities).
 
     Yields:
         One `BlockEvent` per verify round; the last one carries `finish_reason`.
@@ -275,7 +286,7 @@ def stream_generate(
     config = (config or SpeculationConfig.for_pair(pair)).replace(
         block_size=block_size, lookup=lookup,
         min_confidence=None if min_confidence is None else float(min_confidence))
-    session, lookup_only = _settle(pair, config, session)
+    session, lookup_only = _settle(pair, config, session, params)
     ids = encode_prompt(pair, prompt)
     limit = pair.target.context_length
     budget = _Budget(set(getattr(pair.tokenizer, "eos_token_ids", None) or []),
@@ -283,11 +294,13 @@ def stream_generate(
     capped = bool(limit) and len(ids) + max_tokens > limit
     if capped:  # never decode past the model's context: stop there, and say so
         budget.max_tokens = limit - len(ids)
+    req = Request(params, budget.cut, lookup_only, logprobs, params.constraint and Grammar(
+        params.constraint, pair.tokenizer, sorted(budget.eos), pair.target.vocab_size))
     key = mx.random.key(params.seed if params.seed is not None else random.getrandbits(32))
     block = config.block_size
     watch = (guards.AcceptanceWatch(config.fallback_after)
              if block > 1 and config.fallback_after else None)
-    tree, note = tree_budget(pair, config, lookup_only)  # the note goes on the first event
+    tree, note = tree_budget(pair, config, lookup_only, req.grammar is not None)
     tic = time.perf_counter()
     n_prompt, n_reused = prefill(pair, session, ids)
     prompt_s = time.perf_counter() - tic
@@ -300,10 +313,9 @@ def stream_generate(
             trees = width > 1 and tree
             key, dkey, vkey = _keys(key, params, width > 1 and not (trees or lookup_only))
             if trees:  # DDTree: one draft pass, one verify pass over a tree
-                rnd = tree_round(pair, session, config, width, params, vkey, budget.cut)
+                rnd = tree_round(pair, session, config, width, req, vkey)
             else:  # one path: the draft's block (or the lookup's), verified in one pass
-                rnd = path_round(pair, session, config, width, params, (dkey, vkey),
-                                 budget.cut, lookup_only)
+                rnd = path_round(pair, session, config, width, req, (dkey, vkey))
             budget.produced += len(rnd.tokens)
             if rnd.finish == "length" and capped:
                 note = f"stopped at the model's context ({limit} tokens)"
@@ -324,7 +336,8 @@ def _event(rnd: Round, text: str, n_prompt: int, n_reused: int, prompt_s: float,
         accept_flags=[i < rnd.accepted for i in range(n)], draft_s=rnd.draft_s,
         verify_s=rnd.verify_s, block_size=1 + n, prompt_tokens=n_prompt,
         reused_tokens=n_reused, prompt_s=prompt_s, generation_tokens=produced,
-        finish_reason=rnd.finish, trimmed=rnd.trimmed,
+        finish_reason=rnd.finish, trimmed=rnd.trimmed, grammar_cut=rnd.grammar_cut,
         lookup_flags=rnd.hint.flags(n) if rnd.hint else [], note=note,
-        tree_nodes=rnd.nodes, branch_tokens=rnd.branch,
+        tree_nodes=rnd.nodes, branch_tokens=rnd.branch, logprobs=rnd.logprobs,
+        top_logprobs=rnd.top_logprobs,
     )

@@ -246,14 +246,20 @@ def test_a_served_generation_is_described_exactly():
     """What rank 0 sends the other ranks: JSON that gives back the same ids, sampling and
     speculation config (a seed up to 2**64-1, floats bit for bit, verify_pad's int keys)."""
     from dflash_mlx.speculate import SamplingParams, SpeculationConfig
+    from dflash_mlx.speculate.grammar import Constraint
+    from dflash_mlx.speculate.processors import Processing
     from dflash_mlx.server.follower import _config, _sampling, describe
 
     conf = SpeculationConfig(block_size=5, min_confidence=0.1 + 0.2, verify_pad={3: 4, 5: 8},
                              draft_window=64, fallback_after=16)
-    sampling = SamplingParams(temperature=0.7, top_p=0.1 + 0.2, seed=2**64 - 1)
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, seed=2**64 - 1, min_p=0.1 + 0.2,
+                              processing=Processing(repetition_penalty=1.1,
+                                                    logit_bias={7: -2.5, 300: 1.0}),
+                              constraint=Constraint("regex", "[a-z]+"))
     back = json.loads(json.dumps(describe([1, 2, 300], sampling, 24, conf, 3)))
     assert back["ids"] == [1, 2, 300] and back["max_tokens"] == 24 and back["session"] == 3
     assert _sampling(back["sampling"]) == sampling
+    assert _sampling(back["sampling"]).processing.logit_bias == {7: -2.5, 300: 1.0}
     assert _config(back["config"]) == conf
 
 

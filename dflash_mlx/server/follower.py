@@ -30,6 +30,8 @@ import numpy as np
 
 from ..generate import Session, stream_generate
 from ..speculate import SamplingParams, SpeculationConfig
+from ..speculate.grammar import Constraint
+from ..speculate.processors import Processing
 from .worker import Worker
 
 
@@ -68,7 +70,10 @@ def describe(ids: list[int], sampling: SamplingParams, max_tokens: int,
     """A generation as JSON: ints stay exact at any size, floats round-trip by repr. Maps
     with int keys go as pairs (JSON keys would become strings)."""
     conf = {**_fields(config), "verify_pad": sorted(config.verify_pad.items())}
-    params = _fields(sampling)
+    processing = _fields(sampling.processing)
+    processing["logit_bias"] = sorted(processing["logit_bias"].items())
+    constraint = None if sampling.constraint is None else _fields(sampling.constraint)
+    params = {**_fields(sampling), "processing": processing, "constraint": constraint}
     return {"ids": list(ids), "sampling": params, "max_tokens": max_tokens, "config": conf,
             "session": session}
 
@@ -79,7 +84,11 @@ def _config(conf: dict) -> SpeculationConfig:
 
 
 def _sampling(params: dict) -> SamplingParams:
-    return SamplingParams(**params)
+    processing = {**params["processing"],
+                  "logit_bias": {int(t): float(v) for t, v in params["processing"]["logit_bias"]}}
+    constraint = params["constraint"] and Constraint(**params["constraint"])
+    return SamplingParams(**{**params, "processing": Processing(**processing),
+                             "constraint": constraint})
 
 
 def lead(events, group):

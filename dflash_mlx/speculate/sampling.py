@@ -6,11 +6,15 @@ Every function here is stateless, so the statistical tests can drive it directly
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p
 
 from ..errors import InvalidArgumentError
+from .grammar import Constraint
+from .processors import Processing
 
 
 MAX_SEED = 2**64 - 1  # mx.random.key takes a uint64
@@ -18,15 +22,23 @@ MAX_SEED = 2**64 - 1  # mx.random.key takes a uint64
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample, checked once here: the CLI, the server and the API all build one.
+    """How to choose each token, checked once here: the CLI, the server and the API build one.
 
     `seed` seeds the sampler's PRNG so a run is reproducible (None: a fresh one per call).
+    `min_p` keeps the tokens whose probability is at least min_p × the top token's (never
+    fewer than `min_tokens_to_keep`), measured before temperature as mlx-lm does. `processing`:
+    the logits processors (penalties, logit bias), applied before everything else.
+    `constraint`: what the output must match (a JSON schema, a regex: `grammar.py`).
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
+    min_tokens_to_keep: int = 1
+    processing: Processing = field(default_factory=Processing)
+    constraint: Constraint | None = None
 
     def __post_init__(self):
         t, p, k = float(self.temperature), float(self.top_p), int(self.top_k)
@@ -41,6 +53,16 @@ class SamplingParams:
             raise InvalidArgumentError(f"top_k must be ≥ 0, got {k}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise InvalidArgumentError(f"seed must be between 0 and 2**64-1, got {self.seed}")
+        if not 0 <= self.min_p <= 1:  # NaN fails this too
+            raise InvalidArgumentError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_tokens_to_keep < 1:
+            raise InvalidArgumentError(
+                f"min_tokens_to_keep must be at least 1, got {self.min_tokens_to_keep}")
+
+    @cached_property
+    def processors(self) -> list:
+        """mlx-lm's logits processors for `processing` (empty: none), built once."""
+        return self.processing.processors()
 
     @property
     def greedy(self) -> bool:
@@ -54,12 +76,16 @@ def check_max_tokens(max_tokens: int) -> int:
 
 
 def sampling_probs(logits: mx.array, params: SamplingParams) -> mx.array:
-    """The target distribution after temperature, top-k and top-p, in float32.
+    """The target distribution after min-p, temperature, top-k and top-p, in float32.
 
-    Top-k and top-p shape only this (target) distribution; the rejection rule below then
-    reproduces it exactly whatever the draft proposes.
+    These shape only this (target) distribution; the rejection rule below then reproduces it
+    exactly whatever the draft proposes. `logits` are already processed (`processors.py`).
     """
-    x = logits.astype(mx.float32) / params.temperature
+    x = logits.astype(mx.float32)
+    if params.min_p > 0:  # mlx-lm's own filter, on log-probabilities before temperature
+        x = apply_min_p(x - mx.logsumexp(x, axis=-1, keepdims=True), params.min_p,
+                        params.min_tokens_to_keep)
+    x = x / params.temperature
     vocab = x.shape[-1]
     if 0 < params.top_k < vocab:
         # the k-th largest value, as a full sort would place it, without sorting the vocabulary

@@ -21,6 +21,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+import mlx.core as mx
 import numpy as np
 
 
@@ -65,6 +66,14 @@ class Tree:
                 out[row] = out[self.parents[row]]
             out[row, row] = True
         return out
+
+    def paths(self) -> list[mx.array]:
+        """Per row, the tokens from depth 1 down to it (the root's: none): what precedes the
+        row's prediction after the committed tokens."""
+        out: list[list[int]] = [[]]
+        for row in range(1, len(self)):
+            out.append(out[self.parents[row]] + [self.tokens[row]])
+        return [mx.array(p, dtype=mx.int32) for p in out]
 
     def best_continuation(self, row: int) -> list[int]:
         """Rows below `row` along first children (each the best-scoring child)."""
