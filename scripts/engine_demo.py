@@ -14,20 +14,15 @@ from pathlib import Path
 import dflash_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx)
 import mlx.core as mx
 from dflash_mlx import load, stream_generate, tiny
-from dflash_mlx.models.dflash import DFlashDraftModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.engine import PositionedDraft  # noqa: E402  (the tests' position-noting draft)
 
 PROMPT, N, BLOCK, P_WRONG = list(b"Speculative decoding "), 40, 5, 0.3
 
 
-class OracleDraft(DFlashDraftModel):
+class OracleDraft(PositionedDraft):
     """The real forward runs (cache bookkeeping); the proposal head peaks at the oracle's ids."""
-
-    pos = 0  # absolute position of block slot 0, noted by the forward
-
-    def __call__(self, block_ids, context, cache):
-        hidden = super().__call__(block_ids, context, cache)
-        self.pos = cache[0].offset
-        return hidden
 
     def proposal_logits(self, hidden):
         ids = [REF[j] if 0 <= (j := self.pos + i - len(PROMPT)) < len(REF) else 0

@@ -15,11 +15,10 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 
 from dflash_mlx import SpeculationConfig, load, stream_generate, tiny
 from dflash_mlx.generate import Session
-from dflash_mlx.models.dflash import DFlashDraftModel
 from dflash_mlx.models.hybrid import HybridCache, HybridTarget, RollbackError, _CapturingGDN
 from dflash_mlx.models.target import Target
 from dflash_mlx.speculate.sampling import SamplingParams, sampling_probs
-from support.engine import Recording, float32_pair, peaked
+from support.engine import PositionedDraft, Recording, float32_pair, peaked
 from support.stats import pooled_chisquare
 
 V = tiny.VOCAB_SIZE
@@ -31,7 +30,7 @@ class Script:
             reference, prompt_len, pattern, 0)
 
 
-class ScriptedDraft(DFlashDraftModel):
+class ScriptedDraft(PositionedDraft):
     """A real draft (its forward and cache run) whose tokens follow a script.
 
     The script is the target's own greedy continuation with slot `k+1` corrupted, where `k`
@@ -39,12 +38,6 @@ class ScriptedDraft(DFlashDraftModel):
     """
 
     script: Script | None = None
-    pos = 0  # absolute position of block slot 0, noted by the forward
-
-    def __call__(self, block_ids, context, cache):
-        hidden = super().__call__(block_ids, context, cache)
-        self.pos = cache[0].offset
-        return hidden
 
     def proposal_logits(self, hidden):
         real = super().proposal_logits(hidden)

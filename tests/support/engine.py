@@ -47,7 +47,19 @@ def peaked(ids: list[int], hidden: mx.array, vocab: int) -> mx.array:
     return logits.reshape(*hidden.shape[:-1], vocab)
 
 
-class OracleDraft(DFlashDraftModel):
+class PositionedDraft(DFlashDraftModel):
+    """A real draft whose forward notes where the block sits (`pos`: the absolute position of
+    block slot 0), for doubles whose proposal head then peaks at chosen tokens."""
+
+    pos = 0
+
+    def __call__(self, block_ids, context, cache):
+        hidden = super().__call__(block_ids, context, cache)
+        self.pos = cache[0].offset
+        return hidden
+
+
+class OracleDraft(PositionedDraft):
     """A real draft whose proposals are replaced by the oracle's.
 
     The real forward still runs, so the draft cache bookkeeping is exercised; the proposals
@@ -56,12 +68,6 @@ class OracleDraft(DFlashDraftModel):
     """
 
     oracle: Oracle | None = None
-    pos = 0  # absolute position of block slot 0, noted by the forward
-
-    def __call__(self, block_ids, context, cache):
-        hidden = super().__call__(block_ids, context, cache)
-        self.pos = cache[0].offset
-        return hidden
 
     def proposal_logits(self, hidden):
         if self.oracle is None:
