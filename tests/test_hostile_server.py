@@ -212,7 +212,9 @@ MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "ass
                                                       st.sampled_from(SPECIALS))})
 FIELDS = ["model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed",
           "max_tokens", "max_completion_tokens", "stop", "n", "logprobs", "tools",
-          "reasoning_effort", "chat_template_kwargs", "chat_template", "prompt", "messages"]
+          "reasoning_effort", "chat_template_kwargs", "chat_template", "prompt", "messages",
+          "min_p", "repetition_penalty", "presence_penalty", "logit_bias", "top_logprobs",
+          "response_format", "echo", "user"]
 BODY = st.dictionaries(st.sampled_from(FIELDS), JSONISH, max_size=6).flatmap(
     lambda b: st.lists(MESSAGE, max_size=3).map(lambda m: {**b, "messages": m} if m else b))
 
@@ -230,6 +232,9 @@ def pair(tiny):
 @example(body={"model": "\n"}, chat=True)  # a client's value that holds a newline
 @example(body={"temperature": "\n"}, chat=True)
 @example(body={"seed": "\n"}, chat=False)
+@example(body={"response_format": {"type": "json_schema", "json_schema": {"schema": {
+    "type": "object", "properties": {"a": {"$ref": "#/x"}}}}}}, chat=True)
+@example(body={"logit_bias": {"1": None}, "logprobs": 9}, chat=False)
 def test_any_body_is_prepared_or_refused_with_4xx(pair, body, chat):
     import json
 
@@ -239,7 +244,7 @@ def test_any_body_is_prepared_or_refused_with_4xx(pair, body, chat):
     cfg = ServerConfig("tiny")
     try:
         parsed = parse_body(json.dumps(body).encode())
-        opts = read_settings(parsed, cfg)
+        opts = read_settings(parsed, cfg, chat)
         ids = prompt_ids(pair, parsed, chat, cfg)
         completion_limit(opts["max_tokens"], len(ids), pair.target.context_length, 16)
     except APIError as e:

@@ -180,7 +180,9 @@ LONG = "x" * 3000  # byte-level tokenizer: 3000 tokens, over the 2048-token cont
     (CHAT, {"messages": HELLO, "stop": 7}, 400, "stop"),
     (CHAT, {"messages": HELLO, "stream": "yes"}, 400, "stream"),
     (CHAT, {"messages": HELLO, "n": 2}, 400, "n"),
-    (CHAT, {"messages": HELLO, "logprobs": True}, 400, "logprobs"),
+    (CHAT, {"messages": HELLO, "logprobs": "yes"}, 400, "logprobs"),
+    (CHAT, {"messages": HELLO, "echo": True}, 400, "echo"),  # a completions field
+    (TEXT, {"prompt": "Hi", "echo": True}, 400, "echo"),
     (CHAT, {"messages": HELLO, "chat_template_kwargs": "x"}, 400, "chat_template_kwargs"),
     (CHAT, {"messages": HELLO, "reasoning_effort": 3}, 400, "reasoning_effort"),
     (CHAT, {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),

@@ -30,8 +30,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import DFlashError
-from .request import (APIError, ServerConfig, completion_limit, error_response, parse_body,
-                      prompt_ids, read_body, settings)
+from .request import (APIError, ServerConfig, check_for_model, completion_limit, error_response,
+                      parse_body, prompt_ids, read_body, settings)
 from .worker import Busy, Delta, Done, Failed, Job, Worker
 
 __all__ = ["ServerConfig", "bind", "create_app", "serve"]
@@ -42,10 +42,40 @@ __all__ = ["ServerConfig", "bind", "create_app", "serve"]
 class Reply:
     """Builds the JSON objects of one response (chat or text completion)."""
 
-    def __init__(self, chat: bool, model: str):
+    def __init__(self, chat: bool, model: str, tokenizer=None, logprobs: int | None = None):
         self.chat, self.model = chat, model
         self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
+        self.tokenizer, self.logprobs = tokenizer, logprobs
+        self.offset = 0  # completions' text_offset of the next token
+
+    def _token(self, t: int) -> str:
+        return self.tokenizer.decode([t])
+
+    def logprobs_object(self, lps: list | None):
+        """OpenAI's `logprobs` of a choice for these tokens (None when not asked).
+
+        Chat: {"content": [{token, logprob, bytes, top_logprobs: [...]}], "refusal": None}.
+        Completions (legacy): {tokens, token_logprobs, top_logprobs: [{token: logprob}],
+        text_offset} with offsets into the completion's text."""
+        if self.logprobs is None or lps is None:
+            return None
+        if self.chat:
+            def entry(t, lp):
+                text = self._token(t)
+                return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+            return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
+                                for t, lp, top in lps], "refusal": None}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, lp, top in lps:
+            text = self._token(t)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append({self._token(a): b for a, b in top})
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
 
     def _wrap(self, choices: list, stream: bool, **extra) -> dict:
         kind = "chat.completion" if self.chat else "text_completion"
@@ -53,8 +83,9 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def choice(self, text: str | None, finish: str | None, stream: bool, role: bool = False):
-        c = {"index": 0, "finish_reason": finish, "logprobs": None}
+    def choice(self, text: str | None, finish: str | None, stream: bool, role: bool = False,
+               lps: list | None = None):
+        c = {"index": 0, "finish_reason": finish, "logprobs": self.logprobs_object(lps)}
         if not self.chat:
             c["text"] = text or ""
         elif stream:
@@ -70,13 +101,13 @@ class Reply:
                 "total_tokens": done.prompt_tokens + done.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
-    def full(self, text: str, done: Done) -> dict:
-        return self._wrap([self.choice(text, done.finish_reason, False)], False,
+    def full(self, text: str, done: Done, lps: list | None = None) -> dict:
+        return self._wrap([self.choice(text, done.finish_reason, False, lps=lps)], False,
                           usage=self.usage(done), speculation=done.speculation)
 
     def chunk(self, text: str | None, finish: str | None = None, role: bool = False,
-              **extra) -> str:
-        return _sse(self._wrap([self.choice(text, finish, True, role)], True, **extra))
+              lps: list | None = None, **extra) -> str:
+        return _sse(self._wrap([self.choice(text, finish, True, role, lps)], True, **extra))
 
     def usage_chunk(self, done: Done) -> str:
         return _sse(self._wrap([], True, usage=self.usage(done), speculation=done.speculation))
@@ -111,7 +142,7 @@ async def _stream(job: Job, first, reply: Reply, include_usage: bool):
         msg = first
         while True:
             if isinstance(msg, Delta):
-                yield reply.chunk(msg.text)  # "" when a block's bytes are not whole characters yet
+                yield reply.chunk(msg.text, lps=msg.logprobs)  # "" when a block's bytes are not whole characters yet
             elif isinstance(msg, Done) and msg.finish_reason == "cancelled":
                 yield _sse({"error": {"message": "generation stopped: the server is shutting "
                                       "down", "type": "server_error", "param": None,
@@ -194,13 +225,18 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
     async def completions(request: Request, chat: bool):
         def prepare(raw: bytes):
             body = parse_body(raw)
-            opts = settings(body, cfg)
+            opts = settings(body, cfg, chat)
+            check_for_model(opts, pair)
+            if opts["logprobs"] is not None and getattr(worker, "group", None) is not None:
+                # the distributed leader (follower.py) does not ask the engine for them yet
+                raise APIError(400, "'logprobs' is not served under mlx.launch yet", "logprobs")
             ids = prompt_ids(pair, body, chat, cfg)
             return opts, ids, completion_limit(opts["max_tokens"], len(ids),
                                                pair.target.context_length, cfg.max_tokens)
 
         opts, ids, max_tokens = await preparer.run(prepare, await read_body(request))
-        job = Job(ids, opts["sampling"], opts["stop"], max_tokens=max_tokens)
+        job = Job(ids, opts["sampling"], opts["stop"], max_tokens=max_tokens,
+                  logprobs=opts["logprobs"])
         try:
             worker.submit(job)
         except Busy:
@@ -208,7 +244,7 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
                 raise APIError(503, "the server is shutting down") from None
             raise APIError(503, f"the server is busy ({worker.jobs.maxsize} requests queued); "
                            "retry later", code="server_busy") from None
-        reply = Reply(chat, cfg.model_id)
+        reply = Reply(chat, cfg.model_id, pair.tokenizer, opts["logprobs"])
         try:
             first = await _next(job, request)
             if isinstance(first, Failed):
@@ -217,9 +253,10 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
                 return StreamingResponse(_stream(job, first, reply, opts["include_usage"]),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
-            parts, msg = [], first
+            parts, lps, msg = [], [], first
             while isinstance(msg, Delta):
                 parts.append(msg.text)
+                lps.extend(msg.logprobs or [])
                 msg = await _next(job, request)
         except BaseException:
             job.cancel()  # e.g. the server is shutting down: free the engine
@@ -228,7 +265,7 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
             raise APIError(msg.status, msg.message)
         if msg.finish_reason == "cancelled":
             raise APIError(503, "generation stopped: the server is shutting down")
-        return JSONResponse(reply.full("".join(parts), msg))
+        return JSONResponse(reply.full("".join(parts), msg, lps))
 
     async def chat_completions(request: Request):
         return await completions(request, chat=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -17,6 +17,8 @@ from starlette.responses import JSONResponse
 from ..chat import apply_template
 from ..inputs import check_text, decode_text, encode_prompt, is_text
 from ..errors import InvalidArgumentError
+from ..speculate.grammar import Constraint
+from ..speculate.processors import Processing
 from ..speculate.sampling import SamplingParams, check_max_tokens
 
 MAX_BODY = 8 * 1024 * 1024
@@ -28,19 +30,84 @@ SERVER_KWARGS = ("messages", "conversation", "add_generation_prompt", "tokenize"
                  "continue_final_message", "return_tensors", "padding", "truncation",
                  "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask")
 ROLES = ("system", "user", "assistant", "developer", "tool")
-# OpenAI fields this engine cannot honour: refused rather than silently ignored.
-UNSUPPORTED = {
-    "n": lambda v: v not in (None, 1),
-    "best_of": lambda v: v not in (None, 1),
-    "logprobs": lambda v: v not in (None, False, 0),
-    "top_logprobs": lambda v: v not in (None, 0),
-    "echo": lambda v: v not in (None, False),
-    "suffix": lambda v: v is not None,
-    "logit_bias": lambda v: bool(v),
-    "presence_penalty": lambda v: v not in (None, 0),
-    "frequency_penalty": lambda v: v not in (None, 0),
-    "tools": lambda v: bool(v),
-    "functions": lambda v: bool(v),
+MAX_TOP_LOGPROBS = {True: 20, False: 5}  # chat's top_logprobs, completions' logprobs (OpenAI)
+MAX_PENALTY = 2.0  # OpenAI's presence/frequency penalty range is [-2, 2]
+
+# The field policy: every top-level field either endpoint takes, and what happens to it.
+# Each field maps to (endpoints, default): endpoints "chat", "text" (/v1/completions) or "both";
+# default None: honoured (any valid value changes the outcome as documented, or is checked and
+# refused with a 400 naming it); otherwise a test of "this value is the default", and any other
+# value is refused with 400 naming the field, never silently ignored. A field not in this table
+# is refused too (400 naming it). Fields marked "no-op" are honest to accept: they ask nothing
+# of the output (bookkeeping for the client's provider), so ignoring them changes nothing.
+def _off(*defaults):
+    return lambda v: v is None or any(v == d and type(v) is type(d) for d in defaults)
+
+
+def _off_any(v) -> bool:  # a no-op field: any value is as good as the default
+    return True
+
+
+FIELDS = {
+    # what to generate from, and how much
+    "model": ("both", None),
+    "messages": ("chat", None),
+    "prompt": ("text", None),
+    "max_tokens": ("both", None),
+    "max_completion_tokens": ("chat", None),
+    "stop": ("both", None),
+    "stream": ("both", None),
+    "stream_options": ("both", None),  # include_usage is honoured
+    # sampling (SamplingParams) and logits processors (Processing)
+    "temperature": ("both", None),
+    "top_p": ("both", None),
+    "top_k": ("both", None),  # mlx_lm.server / vLLM extension
+    "min_p": ("both", None),  # mlx_lm.server extension
+    "seed": ("both", None),
+    "repetition_penalty": ("both", None),  # mlx_lm.server extension
+    "repetition_context_size": ("both", None),  # mlx_lm.server extension
+    "presence_penalty": ("both", None),
+    "presence_context_size": ("both", None),  # mlx_lm.server extension
+    "frequency_penalty": ("both", None),
+    "frequency_context_size": ("both", None),  # mlx_lm.server extension
+    "logit_bias": ("both", None),
+    "logprobs": ("both", None),  # chat: a bool; completions: an int 0..5
+    "top_logprobs": ("chat", None),
+    "response_format": ("both", None),  # -> Constraint (completions: as vLLM takes it)
+    # the chat template
+    "chat_template_kwargs": ("chat", None),  # mlx_lm.server extension
+    "chat_template": ("chat", None),  # only when the operator allows client templates
+    "reasoning_effort": ("chat", None),  # reaches the template (registry.reasoning_kwargs)
+    # tools: not served yet; refused when they would ask for anything
+    "tools": ("chat", _off([])),
+    "functions": ("chat", _off([])),
+    "tool_choice": ("chat", _off("none", "auto")),  # with no tools, both mean plain text
+    "function_call": ("chat", _off("none", "auto")),
+    "parallel_tool_calls": ("chat", _off(True, False)),  # no-op: no tools, no tool calls
+    # no-ops: bookkeeping for the provider, nothing asked of the output
+    "user": ("both", _off_any),
+    "metadata": ("chat", _off_any),
+    "safety_identifier": ("chat", _off_any),
+    "prompt_cache_key": ("chat", _off_any),  # prompt caching happens anyway (session caches)
+    "store": ("chat", _off(False)),  # nothing is stored; store=true would ask that it is
+    "service_tier": ("chat", _off("auto", "default")),
+    "return_meta_info": ("both", _off_any),  # SGLang's; this server answers `speculation`
+    # refused unless default: what this engine cannot do
+    "n": ("both", _off(1)),
+    "best_of": ("text", _off(1)),
+    "echo": ("text", _off(False)),
+    "suffix": ("text", _off("")),
+    "audio": ("chat", _off()),
+    "modalities": ("chat", _off(["text"])),
+    "prediction": ("chat", _off()),
+    "verbosity": ("chat", _off("medium")),
+    "web_search_options": ("chat", _off()),
+    "adapters": ("both", _off()),  # mlx_lm.server: LoRA adapters
+    "draft_model": ("both", _off()),  # mlx_lm.server: the draft is chosen at start
+    "num_draft_tokens": ("both", _off()),  # mlx_lm.server: --block-size at start instead
+    "xtc_probability": ("both", _off(0, 0.0)),  # mlx_lm.server's XTC sampler
+    "xtc_threshold": ("both", _off()),
+    "role_mapping": ("both", _off()),  # mlx_lm.server: prompt formatting without a template
 }
 ERROR_TYPES = {401: "invalid_request_error", 500: "server_error", 503: "server_error"}
 
@@ -102,11 +169,114 @@ def _stops(body: dict) -> list[str]:
     return stops
 
 
-def settings(body: dict, cfg: ServerConfig) -> dict:
-    """Model, sampling and streaming settings, checked before anything is tokenized."""
-    for name, bad in UNSUPPORTED.items():
-        if bad(body.get(name)):
-            raise APIError(400, f"'{name}' is not supported by this server", name)
+def _policy(body: dict, chat: bool | None) -> None:
+    """The field policy (FIELDS): unknown fields and non-default unsupported values are 400."""
+    for name, value in body.items():
+        where, is_default = FIELDS.get(name, (None, None))
+        if where is None or (chat is not None and where != "both"
+                             and where != ("chat" if chat else "text")):
+            endpoint = "" if chat is None else " on /v1/" + (
+                "chat/completions" if chat else "completions")
+            raise APIError(400, f"unknown field {_short(repr(name))}{endpoint}", _short(name))
+        if is_default is not None and not is_default(value):
+            raise APIError(400, f"'{name}' is not supported by this server (only its default "
+                           "is accepted)", name)
+
+
+def _optional_number(body: dict, name: str, default, integer: bool = False, off=None):
+    """A number or null; `off` (e.g. 0 for a penalty, as mlx_lm.server reads it) means None."""
+    v = _number(body, name, None, integer)
+    if v is None:
+        return default
+    return None if off is not None and v == off else v
+
+
+def _processing(body: dict, default) -> Processing:
+    fields = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = _optional_number(body, name, getattr(default, name), off=0)
+        if v is not None and not -MAX_PENALTY <= v <= MAX_PENALTY:  # NaN fails this too
+            raise APIError(400, f"{name} must be in [-2, 2], got {v}", name)
+        fields[name] = v
+    fields["repetition_penalty"] = _optional_number(body, "repetition_penalty",
+                                                    default.repetition_penalty, off=0)
+    for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
+        fields[name] = _number(body, name, getattr(default, name), integer=True)
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise APIError(400, "'logit_bias' must be an object of token ids to numbers",
+                           "logit_bias")
+        out = {}
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise APIError(400, f"logit_bias key {_short(repr(key))} is not a token id",
+                               "logit_bias") from None
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise APIError(400, f"logit_bias for token {token} must be a number, got "
+                               f"{_short(repr(value))}", "logit_bias")
+            out[token] = value
+        fields["logit_bias"] = {**default.logit_bias, **out}
+    try:
+        return replace(default, **fields)
+    except InvalidArgumentError as e:  # its message starts with the field's name
+        name = str(e).split()[0]
+        raise APIError(400, str(e), name if name in FIELDS else None) from None
+
+
+def _constraint(body: dict, default):
+    fmt = body.get("response_format")
+    if fmt is None:
+        return default
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    try:
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            # OpenAI's JSON mode is an object; the engine's "json_object" admits any JSON value
+            constraint = Constraint.json_schema({"type": "object"})
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise InvalidArgumentError("response_format.json_schema needs a 'schema' object")
+            constraint = Constraint.json_schema(schema)
+        else:
+            raise InvalidArgumentError("response_format.type must be one of text, json_object, "
+                                       f"json_schema, got {_short(repr(kind))}")
+        constraint.grammar()  # compiled here: a schema the grammar engine rejects is a 400
+    except InvalidArgumentError as e:
+        msg = str(e) if str(e).startswith("response_format") else f"response_format: {e}"
+        raise APIError(400, msg, "response_format") from None
+    return constraint
+
+
+def _logprobs(body: dict, chat: bool | None) -> int | None:
+    """How many top alternatives per token (None: no log-probabilities at all)."""
+    v = body.get("logprobs")
+    top = body.get("top_logprobs")
+    if chat is False or (chat is None and not isinstance(v, bool) and v is not None):
+        n = _number(body, "logprobs", None, integer=True)  # legacy completions: an int 0..5
+        if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS[False]:
+            raise APIError(400, f"logprobs must be between 0 and 5, got {n}", "logprobs")
+        return n
+    if v is not None and not isinstance(v, bool):
+        raise APIError(400, "'logprobs' must be true or false", "logprobs")
+    n = _number(body, "top_logprobs", None, integer=True)
+    if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS[True]:
+        raise APIError(400, f"top_logprobs must be between 0 and 20, got {n}", "top_logprobs")
+    if n and not v:
+        raise APIError(400, "top_logprobs needs 'logprobs': true", "top_logprobs")
+    return (n or 0) if v else None
+
+
+def settings(body: dict, cfg: ServerConfig, chat: bool | None = None) -> dict:
+    """Model, sampling and streaming settings, checked before anything is tokenized.
+
+    `chat`: which endpoint (None: either; the fields of both are accepted)."""
+    _policy(body, chat)
     model = body.get("model")
     if model is not None and model not in (cfg.model_id, *cfg.aliases):
         raise APIError(404, f"The model {_short(repr(model))} does not exist: this server serves "
@@ -119,12 +289,17 @@ def settings(body: dict, cfg: ServerConfig) -> dict:
         raise APIError(400, "'stream_options' must be an object", "stream_options")
     default = cfg.sampling
     top_k = _number(body, "top_k", default.top_k, integer=True)
+    processing = _processing(body, default.processing)
+    constraint = _constraint(body, default.constraint)
     try:  # SamplingParams checks itself; its message starts with the field's name
         sampling = SamplingParams(
             temperature=_number(body, "temperature", default.temperature),
             top_p=_number(body, "top_p", default.top_p),
             top_k=0 if top_k == -1 else top_k,  # vLLM's "disabled"
-            seed=_number(body, "seed", None, integer=True))
+            seed=_number(body, "seed", None, integer=True),
+            min_p=_number(body, "min_p", default.min_p),
+            min_tokens_to_keep=default.min_tokens_to_keep,
+            processing=processing, constraint=constraint)
     except InvalidArgumentError as e:
         raise APIError(400, str(e), str(e).split()[0]) from None
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -135,7 +310,16 @@ def settings(body: dict, cfg: ServerConfig) -> dict:
         except InvalidArgumentError as e:
             raise APIError(400, str(e), "max_tokens") from None
     return {"stream": stream, "include_usage": bool(options.get("include_usage")),
-            "sampling": sampling, "max_tokens": max_tokens, "stop": _stops(body)}
+            "sampling": sampling, "max_tokens": max_tokens, "stop": _stops(body),
+            "logprobs": _logprobs(body, chat)}
+
+
+def check_for_model(opts: dict, pair) -> None:
+    """What needs the model: logit_bias ids inside its vocabulary."""
+    try:
+        opts["sampling"].processing.check_vocab(pair.target.vocab_size)
+    except InvalidArgumentError as e:
+        raise APIError(400, str(e), "logit_bias") from None
 
 
 def _content(content, i: int) -> str:

@@ -27,9 +27,14 @@ class Busy(Exception):
     """The bounded queue is full."""
 
 
+# One emitted token's log-probability: (id, log-probability, [(id, log-probability), ...])
+TokenLogprob = tuple[int, float, list[tuple[int, float]]]
+
+
 @dataclass
 class Delta:
     text: str
+    logprobs: list[TokenLogprob] | None = None  # the tokens behind `text`, when asked
 
 
 @dataclass
@@ -83,6 +88,7 @@ class Job:
     sampling: SamplingParams
     stop: list[str] = field(default_factory=list)
     max_tokens: int = 256
+    logprobs: int | None = None  # top alternatives per token; None: no log-probabilities
     loop: asyncio.AbstractEventLoop | None = None
     messages: asyncio.Queue | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -111,6 +117,12 @@ class Job:
                 return
 
 
+def _finite(lp) -> float:
+    """A log-probability JSON can carry: a token the grammar forbids (-inf) reads -9999.0, as
+    OpenAI reports such alternatives."""
+    return max(float(lp), -9999.0)
+
+
 class Worker:
     """Runs jobs one at a time on a dedicated thread, reusing one session's caches."""
 
@@ -136,7 +148,8 @@ class Worker:
     def _generate(self, job: Job):
         """The job's block events (under mlx.launch, `follower.Leader` runs them in step)."""
         return stream_generate(self.pair, job.ids, self.config, session=self.session,
-                               sampling=job.sampling, max_tokens=job.max_tokens)
+                               sampling=job.sampling, max_tokens=job.max_tokens,
+                               logprobs=job.logprobs)
 
     def start(self) -> "Worker":
         self.thread.start()
@@ -212,9 +225,27 @@ class Worker:
             # after `running` is cleared: a client that has its answer sees the worker idle
             job.emit(final)
 
+    def _token_logprobs(self, ev, eos: set[int], start: int,
+                        cut: int | None) -> list[TokenLogprob]:
+        """The block's tokens with their log-probabilities, EOS left out (it is no text). With a
+        stop string at character `cut` of the generated text, only the tokens that start before
+        it (offsets by decoding the block's prefixes; the block's text starts at `start`)."""
+        tops = ev.top_logprobs or [[] for _ in ev.tokens]
+        out = []
+        for i, (t, lp, top) in enumerate(zip(ev.tokens, ev.logprobs, tops)):
+            if t in eos:
+                continue
+            if cut is not None and start + len(self.pair.tokenizer.decode(ev.tokens[:i])) >= cut:
+                break
+            out.append((int(t), _finite(lp), [(int(a), _finite(b)) for a, b in top]))
+        return out
+
     def _run(self, job: Job) -> Done:
         stats, stop = Stats(), StopFilter(job.stop)
         finish = None
+        eos = (set(getattr(self.pair.tokenizer, "eos_token_ids", None) or [])
+               if job.logprobs is not None else set())  # only log-probabilities look at ids
+        raw = emitted = 0  # characters generated (stop strings included) / sent to the client
         gen = self._generate(job)
         try:
             for ev in gen:
@@ -227,7 +258,14 @@ class Worker:
                 elif ev.finish_reason is not None:
                     text += stop.flush()
                     finish = ev.finish_reason
-                job.emit(Delta(text))  # even empty: one chunk per block paces the client
+                lps = None
+                if job.logprobs is not None and ev.logprobs is not None:
+                    # a stop string cuts the text: keep the tokens that start before the cut
+                    cut = emitted + len(text) if hit else None  # held text starts at `emitted`
+                    lps = self._token_logprobs(ev, eos, raw, cut)
+                raw += len(ev.text)
+                emitted += len(text)
+                job.emit(Delta(text, lps))  # even empty: one chunk per block paces the client
                 if finish is None and job.cancelled.is_set():
                     finish = "cancelled"
                 if finish is not None:

@@ -52,9 +52,9 @@ class Constraint:
         import llguidance
 
         try:
-            if self.kind == "json_object":
+            if self.kind == "json_object":  # OpenAI's JSON mode: an object, not any value
                 text = llguidance.LLMatcher.grammar_from_json_schema(
-                    "{}", defaults={"whitespace_flexible": False})
+                    '{"type": "object"}', defaults={"whitespace_flexible": False})
             elif self.kind == "json_schema":
                 text = llguidance.LLMatcher.grammar_from_json_schema(
                     self.value, defaults={"whitespace_flexible": False})
