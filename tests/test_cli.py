@@ -35,7 +35,9 @@ def test_help_lists_commands():
     for flag in ("--model", "--draft-model", "--no-draft", "--block-size", "--draft-bits",
                  "--weights", "--max-tokens", "--temp", "--top-p", "--top-k", "--seed",
                  "--system-prompt", "--reasoning", "--no-chat-template", "--events",
-                 "--check-parity", "--quiet", "--verbose"):
+                 "--check-parity", "--quiet", "--verbose", "--min-p", "--repetition-penalty",
+                 "--repetition-context-size", "--presence-penalty", "--frequency-penalty",
+                 "--logit-bias", "--logprobs", "--json-schema", "--regex"):
         assert flag in r.stdout, flag
 
 
@@ -125,8 +127,11 @@ def test_events_jsonl_schema(tiny, tmp_path):
     keys = {"type", "index", "tokens", "text", "drafted", "accepted", "accept_flags", "draft_s",
             "verify_s", "block_size", "prompt_tokens", "reused_tokens", "prompt_s",
             "generation_tokens", "finish_reason", "trimmed", "lookup_flags", "note", "tree_nodes",
-            "branch_tokens"}
+            "branch_tokens", "grammar_cut", "logprobs", "top_logprobs"}
     assert all(set(b) == keys and b["type"] == "block" for b in blocks)
+    # no --logprobs, no grammar: those fields are null and 0
+    assert all(b["logprobs"] is None and b["top_logprobs"] is None and b["grammar_cut"] == 0
+               for b in blocks)
     assert [b["index"] for b in blocks] == list(range(len(blocks)))
     assert sum(len(b["tokens"]) for b in blocks) == 10
     assert "".join(b["text"] for b in blocks) + "\n" == r.stdout

@@ -322,6 +322,58 @@ async def test_settings_screen_rejects_bad_values(tiny_pair):
 
 
 @pytest.mark.asyncio
+async def test_settings_screen_sets_min_p_and_repetition_penalty(tiny_pair):
+    app = app_for(tiny_pair)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f2")
+        await pilot.pause()
+        assert app.screen.query_one("#repetition-penalty").value == ""  # off
+        app.screen.query_one("#min-p").value = "0.05"
+        app.screen.query_one("#repetition-penalty").value = "1.3"
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert (app.settings.min_p, app.settings.repetition_penalty) == (0.05, 1.3)
+        params = app.settings.sampling
+        assert params.min_p == 0.05 and params.processing.repetition_penalty == 1.3
+        assert "min-p 0.05" in str(app.query_one("#status").render())
+        await send(pilot, "hi")  # a turn runs with them
+        assert app.turns[-1]["blocks"]
+        await pilot.press("f2")
+        await pilot.pause()
+        app.screen.query_one("#repetition-penalty").value = ""  # empty turns it off again
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert app.settings.repetition_penalty is None
+        assert not app.settings.sampling.processing.active
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("field, value, says", [("min-p", "2", "min-p must be in [0, 1]"),
+                                                ("repetition-penalty", "0", "repetition penalty"),
+                                                ("repetition-penalty", "x", "not a number")])
+async def test_settings_screen_rejects_bad_min_p_and_penalty(tiny_pair, field, value, says):
+    app = app_for(tiny_pair)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f2")
+        await pilot.pause()
+        app.screen.query_one(f"#{field}").value = value
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert says in str(app.screen.query_one("#settings-error").render())
+        await pilot.press("escape")
+        await pilot.pause()
+        assert app.settings.min_p == 0 and app.settings.repetition_penalty is None
+
+
+def test_chat_settings_round_trip_min_p_and_penalty():
+    s = ChatSettings(min_p=0.1, repetition_penalty=1.2)
+    assert ChatSettings.from_dict(s.to_dict()) == s
+    assert ChatSettings.from_dict({"temperature": 0.3}).repetition_penalty is None  # older saves
+    back = ChatSettings.from_sampling(s.sampling)
+    assert (back.min_p, back.repetition_penalty) == (0.1, 1.2)
+
+
+@pytest.mark.asyncio
 async def test_generation_error_notifies_and_restores_the_prompt(tiny_pair):
     app = app_for(tiny_pair, conversation_factory=scripted(
         ["never finished"], fail_after=2, error=RuntimeError("boom in round 3")))

@@ -39,6 +39,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     p.add_argument("--seed", type=int)
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="keep tokens at least this × as likely as the top one (0: off)")
+    p.add_argument("--repetition-penalty", type=float,
+                   help="penalize tokens among the last 20 (above 1 discourages repeats)")
     p.add_argument("--reasoning", help="off/on or a level, when the model supports it")
     p.add_argument("--system-prompt")
     p.add_argument("--resume", action="store_true", help="reopen the last chat")
@@ -60,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     block = a.block_size
     settings = ChatSettings(block_size=block if isinstance(block, int) else 5,
                             temperature=a.temp, top_p=a.top_p, top_k=a.top_k,
+                            min_p=a.min_p, repetition_penalty=a.repetition_penalty,
                             max_tokens=a.max_tokens, seed=a.seed, reasoning=a.reasoning,
                             system_prompt=a.system_prompt)
     wanted = EngineSettings(block_size=1 if a.no_draft else block, tree=a.tree,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from dflash_mlx.chat import REASONING_KWARGS, template_kwargs
+from dflash_mlx.speculate.processors import Processing
 from dflash_mlx.speculate.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 2048
@@ -20,12 +21,16 @@ class ChatSettings:
         reasoning_kwarg: the chat-template kwarg that carries it (None: the model has none).
         provenance: tint tokens by where they came from.
         tree: draft-tree nodes verified per round (0: one path), settled when the pair loads.
+        min_p, repetition_penalty: as `SamplingParams.min_p` and `Processing` (mlx-lm's
+            repetition penalty over the last 20 tokens; None: off).
     """
 
     block_size: int = 5
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None  # None: off
     max_tokens: int = DEFAULT_MAX_TOKENS
     seed: int | None = None
     reasoning: str | None = None
@@ -37,13 +42,15 @@ class ChatSettings:
     @classmethod
     def from_sampling(cls, sampling: SamplingParams, **rest) -> "ChatSettings":
         return cls(temperature=sampling.temperature, top_p=sampling.top_p,
-                   top_k=sampling.top_k, seed=sampling.seed, **rest)
+                   top_k=sampling.top_k, seed=sampling.seed, min_p=sampling.min_p,
+                   repetition_penalty=sampling.processing.repetition_penalty, **rest)
 
     @property
     def sampling(self) -> SamplingParams:
         """How each turn samples (checked by `SamplingParams` itself)."""
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              seed=self.seed)
+                              seed=self.seed, min_p=self.min_p,
+                              processing=Processing(repetition_penalty=self.repetition_penalty))
 
     def gen_kwargs(self) -> dict:
         """Keyword arguments for `Conversation.send` / `stream_generate`."""

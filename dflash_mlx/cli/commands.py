@@ -10,7 +10,7 @@ import typer
 from . import render
 from .options import (
     DEFAULT_BLOCK_SIZE, DEFAULT_MAX_TOKENS, S, BlockSizeOpt, DraftBitsOpt, DraftOpt, MaxTokensOpt,
-    LookupOpt, MinConfidenceOpt,
+    LookupOpt, MinConfidenceOpt, MinPOpt, RepetitionPenaltyOpt,
     ModelOpt, NoDraftOpt, ReasoningOpt, SeedOpt, SystemOpt, TempOpt, TopKOpt, TopPOpt, TreeOpt,
     WeightsOpt, app,
 )
@@ -33,6 +33,8 @@ def chat(
     top_p: TopPOpt = 1.0,
     top_k: TopKOpt = 0,
     seed: SeedOpt = None,
+    min_p: MinPOpt = 0.0,
+    repetition_penalty: RepetitionPenaltyOpt = None,
     reasoning: ReasoningOpt = None,
     system_prompt: SystemOpt = None,
     resume: Annotated[bool, typer.Option("--resume", help="Reopen the last saved chat.")] = False,
@@ -43,9 +45,11 @@ def chat(
 
     from .prompt import check_arg_text
     from .. import engine, registry
-    from ..speculate.sampling import SamplingParams, check_max_tokens
+    from .options import build_sampling
+    from ..speculate.sampling import check_max_tokens
 
-    params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
+    params = build_sampling(temp=temp, top_p=top_p, top_k=top_k, seed=seed, min_p=min_p,
+                            repetition_penalty=repetition_penalty)
     check_max_tokens(max_tokens)
     check_arg_text(system_prompt, "--system-prompt")
     (requested,) = [1] if no_draft else engine.parse_block_sizes(block_size, allow_list=False)

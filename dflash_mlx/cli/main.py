@@ -18,10 +18,12 @@ import typer
 
 from . import render, signals
 from .options import (  # the app and the options shared with commands.py
-    DEFAULT_BLOCK_SIZE, DEFAULT_MAX_TOKENS, R, ApiKeyOpt, BackendOpt, BaseUrlOpt, BlockSizeOpt,
-    DraftBitsOpt, DraftOpt, LookupOpt, MaxTokensOpt, MinConfidenceOpt, ModelOpt, NoDraftOpt,
-    NoTemplateOpt, PadVerifyOpt, ReasoningOpt, SeedOpt, SystemOpt, TempOpt, TopKOpt, TopPOpt,
-    TreeOpt, WeightsOpt, app,
+    DEFAULT_BLOCK_SIZE, DEFAULT_MAX_TOKENS, MAX_LOGPROBS, R, ApiKeyOpt, BackendOpt, BaseUrlOpt,
+    BlockSizeOpt, DraftBitsOpt, DraftOpt, FrequencyPenaltyOpt, JsonSchemaOpt, LogitBiasOpt,
+    LookupOpt, MaxTokensOpt, MinConfidenceOpt, MinPOpt, ModelOpt, NoDraftOpt, NoTemplateOpt,
+    PadVerifyOpt, PresencePenaltyOpt, ReasoningOpt, RegexOpt, RepetitionContextOpt,
+    RepetitionPenaltyOpt, SeedOpt, SystemOpt, TempOpt, TopKOpt, TopPOpt, TreeOpt, WeightsOpt,
+    app, build_sampling, check_logprobs, sampling_extras,
 )
 from ..errors import InvalidArgumentError
 
@@ -50,12 +52,24 @@ def generate(
     top_p: TopPOpt = 1.0,
     top_k: TopKOpt = 0,
     seed: SeedOpt = None,
+    min_p: MinPOpt = 0.0,
+    repetition_penalty: RepetitionPenaltyOpt = None,
+    repetition_context_size: RepetitionContextOpt = 20,
+    presence_penalty: PresencePenaltyOpt = None,
+    frequency_penalty: FrequencyPenaltyOpt = None,
+    logit_bias: LogitBiasOpt = None,
+    json_schema: JsonSchemaOpt = None,
+    regex: RegexOpt = None,
     system_prompt: SystemOpt = None,
     reasoning: ReasoningOpt = None,
     no_chat_template: NoTemplateOpt = False,
     events: Annotated[Optional[Path], typer.Option(
         help="Write one JSON object per block and a final summary to this .jsonl file.",
         rich_help_panel="Output")] = None,
+    logprobs: Annotated[Optional[int], typer.Option(
+        "--logprobs", help=f"With --events: each token's log-probability and this many likeliest "
+        f"alternatives (0-{MAX_LOGPROBS}), after the logits processors and before temperature.",
+        rich_help_panel="Output", show_default=False)] = None,
     check_parity: Annotated[bool, typer.Option(
         "--check-parity", help="Then run plain AR greedy and report the first divergence, its "
         "logit margin and near-tie vs mismatch (exit 1 on a mismatch). Greedy only.",
@@ -73,9 +87,15 @@ def generate(
     from .prompt import check_arg_text, read_prompt
     from .. import engine, registry
     from ..chat import prompt_ids
-    from ..speculate.sampling import SamplingParams, check_max_tokens
+    from ..speculate.sampling import check_max_tokens
 
-    params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
+    params = build_sampling(
+        temp=temp, top_p=top_p, top_k=top_k, seed=seed, min_p=min_p,
+        repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
+        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        logit_bias=logit_bias, json_schema=json_schema, regex=regex)
+    if check_logprobs(logprobs) is not None and events is None:
+        raise InvalidArgumentError("--logprobs goes with --events (the rows record them)")
     check_max_tokens(max_tokens)
     tree = engine.parse_tree(tree)
     check_arg_text(system_prompt, "--system-prompt")
@@ -83,6 +103,7 @@ def generate(
         if check_parity or events or verbose:
             raise InvalidArgumentError("--check-parity, --events and --verbose need the local "
                                        "engine (--backend local)")
+        _local_only(params, logprobs)
         text = read_prompt(prompt_arg, prompt)
         return serve.remote_generate(base_url, api_key, model, text, system_prompt, reasoning,
                                      not no_chat_template, params, max_tokens, quiet)
@@ -107,10 +128,12 @@ def generate(
     pair, loaded = engine.load(spec, settings, say, note)
     # the prompt against the target's context and vocabulary, before anything is timed
     ids = prompt_ids(pair, text, system_prompt, template_kwargs, not no_chat_template)
+    params.processing.check_vocab(pair.target.vocab_size)
     opened = engine.settle(pair, loaded, settings, say, note)
     config, block = opened.config, opened.block_size
     stats, tokens, interrupted, peak = _stream(pair, ids, config, params, max_tokens, writer,
-                                               verbose, notes=is_speaker(group))
+                                               verbose, notes=is_speaker(group),
+                                               logprobs=logprobs)
     if not quiet:
         for line in render.stats_lines(stats, peak, block):
             render.err.print(line, soft_wrap=True, markup=False)
@@ -128,8 +151,8 @@ def generate(
             "versions": versions(), **loaded.models(), "block_size": block,
             "min_confidence": config.min_confidence, "lookup": config.lookup, "tree": config.tree,
             "verify_pad": dict(config.verify_pad),
-            "sampling": serve.request_fields(params, max_tokens),
-            "chat_template": not no_chat_template, "reasoning": reasoning,
+            "sampling": {**serve.request_fields(params, max_tokens), **sampling_extras(params)},
+            "logprobs": logprobs, "chat_template": not no_chat_template, "reasoning": reasoning,
             "prompt_ids": len(ids), "stats": stats.as_dict(), "peak_memory_gb": round(peak, 4),
             "interrupted": bool(interrupted), "parity": asdict(parity) if parity else None,
         })
@@ -140,9 +163,26 @@ def generate(
         raise typer.Exit(1)
 
 
-def _stream(pair, ids, config, params, max_tokens, writer, verbose, notes=True):
+def _local_only(params, logprobs) -> None:
+    """`--backend openai` sends temperature, top-p, top-k and the seed; the other controls
+    need the local engine: one line naming them."""
+    p = params.processing
+    given = [flag for flag, on in (
+        ("--min-p", params.min_p != 0), ("--repetition-penalty", p.repetition_penalty is not None),
+        ("--presence-penalty", p.presence_penalty is not None),
+        ("--frequency-penalty", p.frequency_penalty is not None),
+        ("--logit-bias", bool(p.logit_bias)),
+        ("--json-schema/--regex", params.constraint is not None),
+        ("--logprobs", logprobs is not None)) if on]
+    if given:
+        raise InvalidArgumentError(f"{', '.join(given)} need the local engine (--backend local); "
+                                   "a remote server gets temperature, top-p, top-k and the seed")
+
+
+def _stream(pair, ids, config, params, max_tokens, writer, verbose, notes=True, logprobs=None):
     """Stream blocks to stdout; Ctrl-C stops at a block boundary with the caches intact.
-    `notes`: say the engine's notes (under mlx.launch rank 0 alone does)."""
+    `notes`: say the engine's notes (under mlx.launch rank 0 alone does); `logprobs`: ask the
+    engine for them (the events file records them)."""
     import mlx.core as mx
 
     from ..generate import stream_generate
@@ -150,7 +190,8 @@ def _stream(pair, ids, config, params, max_tokens, writer, verbose, notes=True):
 
     stats, tokens, out = Stats(), [], render.TextStream()
     mx.reset_peak_memory()
-    gen = stream_generate(pair, ids, config, sampling=params, max_tokens=max_tokens)
+    gen = stream_generate(pair, ids, config, sampling=params, max_tokens=max_tokens,
+                          logprobs=logprobs)
     interrupted = 0  # else the exit code: 130 Ctrl-C, 143 SIGTERM
     try:
         for i, ev in enumerate(gen):
@@ -158,7 +199,7 @@ def _stream(pair, ids, config, params, max_tokens, writer, verbose, notes=True):
             stats.add(ev)
             tokens += ev.tokens
             if writer:
-                writer.block(i, ev)
+                writer.block(i, ev, pair.tokenizer)
             if verbose:
                 out.side_note(render.block_line(i, ev))
             if ev.note and notes:  # e.g. the switch to plain AR when the draft accepts nothing
@@ -262,6 +303,12 @@ def benchmark(
     top_p: TopPOpt = 1.0,
     top_k: TopKOpt = 0,
     seed: SeedOpt = 0,
+    min_p: MinPOpt = 0.0,
+    repetition_penalty: RepetitionPenaltyOpt = None,
+    repetition_context_size: RepetitionContextOpt = 20,
+    presence_penalty: PresencePenaltyOpt = None,
+    frequency_penalty: FrequencyPenaltyOpt = None,
+    logit_bias: LogitBiasOpt = None,
     reasoning: ReasoningOpt = None,
     repeats: Annotated[int, typer.Option(help="Runs per prompt and system; the median counts.")] = 1,
     out: Annotated[Optional[Path], typer.Option(
@@ -282,11 +329,16 @@ def benchmark(
     from ..bench import runner as bench
     from ..chat import encoder
     from ..machine import machine, versions
-    from ..speculate.sampling import SamplingParams, check_max_tokens
+    from ..speculate.sampling import check_max_tokens
 
-    params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
+    params = build_sampling(
+        temp=temp, top_p=top_p, top_k=top_k, seed=seed, min_p=min_p,
+        repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
+        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        logit_bias=logit_bias)
     check_max_tokens(max_tokens)
     if serve.is_remote(backend, base_url):
+        _local_only(params, None)
         return serve.remote_benchmark(base_url, api_key, model, dataset, prompts, num_prompts,
                                       concurrency, params, max_tokens, reasoning, out)
     if concurrency != 1:
@@ -310,13 +362,15 @@ def benchmark(
         render.EventsWriter(out, "--out").close()  # fail now, not after the run
     opened = engine.open(spec, wanted, render.progress, render.note)
     pair, config, loaded = opened.pair, opened.config, opened.loaded
+    params.processing.check_vocab(pair.target.vocab_size)
     samples = bench.run(pair, sets, encoder(pair, template_kwargs), block_sizes=blocks,
                         sampling={"sampling": params, "max_tokens": max_tokens},
                         repeats=repeats, progress=render.note, config=config)
     rows = bench.summarize(samples, blocks, greedy=params.greedy)
     render.out.print(render.bench_table(rows, f"{loaded.spec.target} + {loaded.spec.draft}"))
     if out is not None:
-        settings = {**serve.request_fields(params, max_tokens), "block_sizes": blocks,
+        settings = {**serve.request_fields(params, max_tokens), **sampling_extras(params),
+                    "block_sizes": blocks,
                     "min_confidence": config.min_confidence,
                     "lookup": config.lookup, "verify_pad": dict(config.verify_pad),
                     "num_prompts": max(len(v) for v in sets.values()),

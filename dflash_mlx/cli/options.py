@@ -9,13 +9,14 @@ from __future__ import annotations
 import functools
 import shutil
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from typer.core import TyperGroup
 
 from . import render, signals
-from ..errors import DFlashError
+from ..errors import DFlashError, InvalidArgumentError
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_BLOCK_SIZE = None  # the registry entry's block_size, else registry.DEFAULT_BLOCK
@@ -150,3 +151,145 @@ BaseUrlOpt = Annotated[Optional[str], typer.Option(
     help="The server, e.g. http://127.0.0.1:8000/v1.", rich_help_panel=R)]
 ApiKeyOpt = Annotated[Optional[str], typer.Option(
     envvar="DFLASH_MLX_API_KEY", help="Bearer token for the server.", rich_help_panel=R)]
+
+# The sampling controls beyond temperature/top-p/top-k (docs/controls.md), named as in
+# mlx_lm.generate; `build_sampling` turns them into the one SamplingParams.
+MinPOpt = Annotated[float, typer.Option(
+    "--min-p", help="Keep the tokens at least this × as likely as the top one (before "
+    "temperature); 0 keeps all.", rich_help_panel=S)]
+RepetitionPenaltyOpt = Annotated[Optional[float], typer.Option(
+    "--repetition-penalty", help="Penalize tokens among the last --repetition-context-size "
+    "(above 1 discourages repeats); unset: none.", rich_help_panel=S, show_default=False)]
+RepetitionContextOpt = Annotated[int, typer.Option(
+    "--repetition-context-size", help="How many recent tokens the repetition penalty reads.",
+    rich_help_panel=S)]
+PresencePenaltyOpt = Annotated[Optional[float], typer.Option(
+    "--presence-penalty", help="Subtract this from the logit of every token already among the "
+    "last 20 (OpenAI's rule); unset: none.", rich_help_panel=S, show_default=False)]
+FrequencyPenaltyOpt = Annotated[Optional[float], typer.Option(
+    "--frequency-penalty", help="Subtract this once per occurrence among the last 20 tokens "
+    "(OpenAI's rule); unset: none.", rich_help_panel=S, show_default=False)]
+LogitBiasOpt = Annotated[Optional[str], typer.Option(
+    "--logit-bias", help="Add to token logits: ID=VALUE,ID=VALUE or a JSON object "
+    "'{\"ID\": VALUE}', values in [-100, 100].", rich_help_panel=S, show_default=False)]
+G = "Structured output"
+JsonSchemaOpt = Annotated[Optional[Path], typer.Option(
+    "--json-schema", help="A file holding a JSON schema the output must match.",
+    rich_help_panel=G, show_default=False)]
+RegexOpt = Annotated[Optional[str], typer.Option(
+    "--regex", help="A regular expression the whole output must match.", rich_help_panel=G,
+    show_default=False)]
+MAX_LOGPROBS = 20
+
+
+def parse_logit_bias(text: str | None, flag: str = "--logit-bias") -> dict[int, float]:
+    """`ID=VALUE,ID=VALUE` or a JSON object {"ID": VALUE}; a malformed value is one line."""
+    if text is None:
+        return {}
+    text = text.strip()
+    try:
+        if text.startswith("{"):
+            import json
+
+            try:
+                raw = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"not valid JSON ({e.msg})") from None
+            if not isinstance(raw, dict):
+                raise ValueError("the JSON must be an object")
+            pairs = list(raw.items())
+        else:
+            pairs = [item.split("=", 1) if "=" in item else (item, None)
+                     for item in text.split(",") if item.strip()]
+        if not pairs:
+            raise ValueError("it is empty")
+        bias = {}
+        for key, value in pairs:
+            if value is None:
+                raise ValueError(f"{key.strip()!r} has no =VALUE")
+            try:
+                token = int(str(key).strip())
+            except ValueError:
+                raise ValueError(f"token id {str(key).strip()!r} is not an integer") from None
+            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+                raise ValueError(f"the value for token {token} is not a number")
+            try:
+                bias[token] = float(value)
+            except ValueError:
+                raise ValueError(f"the value for token {token} is not a number") from None
+        return bias
+    except ValueError as e:
+        raise InvalidArgumentError(
+            f"{flag} takes ID=VALUE,ID=VALUE or a JSON object {{\"ID\": VALUE}}: {e}") from None
+
+
+def _read_schema(path: Path) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InvalidArgumentError(f"--json-schema {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        why = getattr(e, "strerror", None) or type(e).__name__
+        raise InvalidArgumentError(f"--json-schema {path}: cannot read ({why})") from None
+
+
+def build_sampling(*, temp: float, top_p: float, top_k: int, seed: int | None,
+                   min_p: float = 0.0, repetition_penalty: float | None = None,
+                   repetition_context_size: int = 20, presence_penalty: float | None = None,
+                   frequency_penalty: float | None = None, logit_bias: str | None = None,
+                   json_schema: Path | None = None, regex: str | None = None):
+    """The one SamplingParams of a command, every value checked (a bad one: one line)."""
+    from ..speculate.grammar import Constraint
+    from ..speculate.processors import Processing
+    from ..speculate.sampling import SamplingParams
+
+    if json_schema is not None and regex is not None:
+        raise InvalidArgumentError("--json-schema and --regex exclude each other: give one")
+    processing = Processing(
+        repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
+        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        logit_bias=parse_logit_bias(logit_bias))
+    constraint = None
+    if json_schema is not None:
+        text = _read_schema(json_schema)
+        try:
+            constraint = Constraint.json_schema(text)
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(f"--json-schema {json_schema}: {e}") from None
+    elif regex is not None:
+        if not regex:
+            raise InvalidArgumentError("--regex is empty")
+        constraint = Constraint("regex", regex)
+    if constraint is not None:
+        try:
+            constraint.grammar()  # a schema or regex llguidance cannot compile: now, not later
+        except InvalidArgumentError as e:
+            flag = f"--json-schema {json_schema}" if json_schema is not None else "--regex"
+            raise InvalidArgumentError(f"{flag}: {e}") from None
+    return SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed, min_p=min_p,
+                          processing=processing, constraint=constraint)
+
+
+def check_logprobs(logprobs: int | None) -> int | None:
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise InvalidArgumentError(
+            f"--logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
+    return logprobs
+
+
+def sampling_extras(params) -> dict:
+    """What a summary or card records beyond the OpenAI fields: only the controls in use."""
+    extra = {}
+    if params.min_p:
+        extra["min_p"] = params.min_p
+    p = params.processing
+    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+        if getattr(p, name) is not None:
+            extra[name] = getattr(p, name)
+    if p.repetition_penalty is not None:
+        extra["repetition_context_size"] = p.repetition_context_size
+    if p.logit_bias:
+        extra["logit_bias"] = {str(k): v for k, v in p.logit_bias.items()}
+    if params.constraint is not None:
+        extra["constraint"] = {"kind": params.constraint.kind, "value": params.constraint.value}
+    return extra

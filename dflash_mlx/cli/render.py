@@ -115,8 +115,19 @@ class EventsWriter:
         except OSError as e:
             raise InvalidArgumentError(f"{flag} {path}: cannot write ({e.strerror})") from None
 
-    def block(self, index: int, ev) -> None:
-        self._write({"type": "block", "index": index, **asdict(ev)})
+    def block(self, index: int, ev, tokenizer=None) -> None:
+        """One round's row: the BlockEvent's fields; its log-probabilities (when asked) as
+        {"id", "token", "logprob"} objects, the token text decoded with `tokenizer`."""
+        row = {"type": "block", "index": index, **asdict(ev)}
+        if ev.logprobs is not None:
+            def entry(t, lp):
+                text = tokenizer.decode([int(t)]) if tokenizer is not None else None
+                return {"id": int(t), "token": text, "logprob": float(lp)}
+
+            row["logprobs"] = [entry(t, lp) for t, lp in zip(ev.tokens, ev.logprobs)]
+            row["top_logprobs"] = [[entry(t, lp) for t, lp in alts]
+                                   for alts in (ev.top_logprobs or [])]
+        self._write(row)
 
     def summary(self, data: dict) -> None:
         self._write({"type": "summary", **data})

@@ -1,8 +1,10 @@
-"""F2: edit block size, sampling, reasoning and provenance; returns new ChatSettings."""
+"""F2: edit block size, sampling (min-p and repetition penalty too), reasoning and
+provenance; returns new ChatSettings."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from textual import on
 from textual.app import ComposeResult
@@ -41,6 +43,12 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
                 yield Input(f"{s.top_p:g}", type="number", id="top-p", compact=True)
                 yield Label("Top-k (0 = off)")
                 yield Input(str(s.top_k), type="integer", id="top-k", compact=True)
+                yield Label("Min-p (0 = off)")
+                yield Input(f"{s.min_p:g}", type="number", id="min-p", compact=True)
+                yield Label("Repetition penalty")
+                yield Input("" if s.repetition_penalty is None else f"{s.repetition_penalty:g}",
+                            type="number", id="repetition-penalty", placeholder="off",
+                            compact=True)
                 yield Label("Max tokens")
                 yield Input(str(s.max_tokens), type="integer", id="max-tokens", compact=True)
                 yield Label("Reasoning")
@@ -66,6 +74,10 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
         block = num("block-size", int)
         temp, top_p = num("temperature", float), num("top-p", float)
         top_k, max_tokens = num("top-k", int), num("max-tokens", int)
+        min_p = num("min-p", float)
+        penalty = None
+        if self.query_one("#repetition-penalty", Input).value.strip():
+            penalty = num("repetition-penalty", float)
         if not 1 <= block <= self.max_block_size:
             raise ValueError(f"block size must be 1–{self.max_block_size}")
         if temp < 0:
@@ -74,12 +86,16 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
             raise ValueError("top-p must be in (0, 1]")
         if top_k < 0:
             raise ValueError("top-k must be ≥ 0")
+        if not 0 <= min_p <= 1:
+            raise ValueError("min-p must be in [0, 1]")
+        if penalty is not None and not 0 < penalty < math.inf:
+            raise ValueError("repetition penalty must be above 0 (empty: off)")
         if max_tokens < 1:
             raise ValueError("max tokens must be ≥ 1")
         reasoning = self.query_one("#reasoning", Select).value
         return dataclasses.replace(
             self.settings, block_size=block, temperature=temp, top_p=top_p, top_k=top_k,
-            max_tokens=max_tokens,
+            min_p=min_p, repetition_penalty=penalty, max_tokens=max_tokens,
             reasoning=None if reasoning is Select.NULL else str(reasoning),
             provenance=self.query_one("#provenance", Switch).value)
 

@@ -21,7 +21,9 @@ class StatusBar(Static):
         tree = f" tree {s.tree}" if s.tree and s.block_size > 1 else ""  # nodes per round
         parts = [f"{model} + {draft}" if draft else f"{model} (no draft)",
                  f"B={s.block_size}{tree}",
-                 f"temp {s.temperature:g} · top-p {s.top_p:g} · top-k {s.top_k}",
+                 f"temp {s.temperature:g} · top-p {s.top_p:g} · top-k {s.top_k}"
+                 + (f" · min-p {s.min_p:g}" if s.min_p else "")
+                 + (f" · rep {s.repetition_penalty:g}" if s.repetition_penalty else ""),
                  f"reasoning {s.reasoning or '–'}",
                  f"prompt {prompt_tokens} +{reused_tokens} cached",
                  f"gen {generation_tokens}"]
