@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_mlx.server.request import FIELDS
+from dflash_mlx.server.fields import FIELDS
 from support import server as ss
 
 CHAT, TEXT = "/v1/chat/completions", "/v1/completions"

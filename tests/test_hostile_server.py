@@ -238,6 +238,7 @@ def pair(tiny):
 def test_any_body_is_prepared_or_refused_with_4xx(pair, body, chat):
     import json
 
+    from dflash_mlx.server.messages import chat_prompt
     from dflash_mlx.server.request import (APIError, ServerConfig, completion_limit, parse_body,
                                            prompt_ids, settings as read_settings)
 
@@ -245,7 +246,7 @@ def test_any_body_is_prepared_or_refused_with_4xx(pair, body, chat):
     try:
         parsed = parse_body(json.dumps(body).encode())
         opts = read_settings(parsed, cfg, chat)
-        ids = prompt_ids(pair, parsed, chat, cfg)
+        ids = chat_prompt(pair, parsed, cfg).ids if chat else prompt_ids(pair, parsed)
         completion_limit(opts["max_tokens"], len(ids), pair.target.context_length, 16)
     except APIError as e:
         assert 400 <= e.status < 500 and "\n" not in e.message, e.message
@@ -254,16 +255,17 @@ def test_any_body_is_prepared_or_refused_with_4xx(pair, body, chat):
 
 
 def test_operator_may_allow_client_templates_with_a_size_bound(pair):
-    from dflash_mlx.server.request import MAX_TEMPLATE, APIError, ServerConfig, prompt_ids
+    from dflash_mlx.server.messages import MAX_TEMPLATE, chat_prompt
+    from dflash_mlx.server.request import APIError, ServerConfig
 
     body = {"messages": HELLO, "chat_template": "<|im_start|>{{ messages[0]['content'] }}"}
     with pytest.raises(APIError) as e:
-        prompt_ids(pair, body, True, ServerConfig("m"))
+        chat_prompt(pair, body, ServerConfig("m"))
     assert e.value.status == 400 and e.value.param == "chat_template"
     allowed = ServerConfig("m", client_templates=True)
-    ids = prompt_ids(pair, body, True, allowed)
+    ids = chat_prompt(pair, body, allowed).ids
     assert ids == pair.tokenizer.encode("<|im_start|>Hello there", add_special_tokens=False)
     for bad in ("x" * (MAX_TEMPLATE + 1), 42, ["a"]):
         with pytest.raises(APIError) as e:
-            prompt_ids(pair, {**body, "chat_template": bad}, True, allowed)
+            chat_prompt(pair, {**body, "chat_template": bad}, allowed)
         assert e.value.param == "chat_template"

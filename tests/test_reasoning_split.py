@@ -10,9 +10,7 @@ from support.toolchat import load_toolchat
 from dflash_mlx.server.reasoning import (
     ContentDelta,
     ReasoningDelta,
-    ReasoningError,
     ReasoningStream,
-    reasoning_kwargs,
     starts_in_thinking,
     think_markers,
 )
@@ -140,35 +138,11 @@ def test_chained_with_tool_calls(qwen):
         assert not any(isinstance(e, ContentDelta) for e in tail)
 
 
-@pytest.mark.parametrize("body, kwargs", [
-    ({}, {}),
-    ({"reasoning_effort": "none"}, {"enable_thinking": False}),
-    ({"reasoning_effort": "high"}, {"enable_thinking": True, "reasoning_effort": "high"}),
-    ({"chat_template_kwargs": {"enable_thinking": False}}, {"enable_thinking": False}),
-    ({"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": True, "x": 1}},
-     {"enable_thinking": True, "reasoning_effort": "low", "x": 1}),
-])
-def test_reasoning_kwargs(body, kwargs):
-    assert reasoning_kwargs(body) == kwargs
-
-
-@pytest.mark.parametrize("body, param", [
-    ({"reasoning_effort": "max"}, "reasoning_effort"),
-    ({"reasoning_effort": 2}, "reasoning_effort"),
-    ({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}},
-     "reasoning_effort"),
-    ({"chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs"),
-    ({"chat_template_kwargs": []}, "chat_template_kwargs"),
-])
-def test_bad_reasoning_fields(body, param):
-    with pytest.raises(ReasoningError) as e:
-        reasoning_kwargs(body)
-    assert e.value.param == param
-
-
 def test_kwargs_reach_the_template(opens):
+    from dflash_mlx.registry import reasoning_kwargs
+
     on = opens.apply_chat_template(MSGS, add_generation_prompt=True, tokenize=False,
-                                   **reasoning_kwargs({"reasoning_effort": "medium"}))
+                                   **reasoning_kwargs(None, "on"))
     off = opens.apply_chat_template(MSGS, add_generation_prompt=True, tokenize=False,
-                                    **reasoning_kwargs({"reasoning_effort": "none"}))
+                                    **reasoning_kwargs(None, "off"))
     assert on.endswith("<think>\n") and off.endswith("<think>\n\n</think>\n\n")

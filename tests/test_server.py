@@ -290,7 +290,8 @@ def test_reasoning_effort_and_chat_template_kwargs_reach_the_template(engine):
     from types import SimpleNamespace
 
     from dflash_mlx.registry import Entry
-    from dflash_mlx.server.request import APIError, ServerConfig, prompt_ids
+    from dflash_mlx.server.messages import chat_prompt
+    from dflash_mlx.server.request import APIError, ServerConfig
 
     tok = _Tokenizer(engine.pair.tokenizer)
     pair = SimpleNamespace(tokenizer=tok, target=engine.pair.target)
@@ -298,7 +299,7 @@ def test_reasoning_effort_and_chat_template_kwargs_reach_the_template(engine):
                  reasoning_levels=("on", "off"), reasoning_default="on")
 
     def render(body, entry=None):
-        ids = prompt_ids(pair, {"messages": HELLO, **body}, True, ServerConfig("m", entry=entry))
+        ids = chat_prompt(pair, {"messages": HELLO, **body}, ServerConfig("m", entry=entry)).ids
         return tok.rendered(ids)
 
     # mlx-lm's tokenizer wrapper sets enable_thinking=False when the vocabulary has no think tags

@@ -105,7 +105,9 @@ async def _get(app, path: str) -> dict:
 
 
 def test_server_speculation_is_as_dict():
-    from dflash_mlx.server.app import Reply, create_app
+    from dflash_mlx.server.app import create_app
+    from dflash_mlx.server.reply import Reply
+    from dflash_mlx.server.worker import Delta
     from dflash_mlx.server.request import ServerConfig
 
     worker = _scripted_worker()
@@ -113,7 +115,7 @@ def test_server_speculation_is_as_dict():
         done = asyncio.run(_ask(worker))
         assert done.speculation == EXPECTED
         assert (done.completion_tokens, done.cached_tokens) == (8, 4)
-        assert Reply(True, "m").full("abc", done)["speculation"] == EXPECTED
+        assert Reply(False, "m").full([Delta("abc")], done)["speculation"] == EXPECTED
         # /health: the same keys, summed over both requests
         asyncio.run(_ask(worker))
         health = asyncio.run(_get(create_app(worker, ServerConfig("m")), "/health"))

@@ -15,13 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import os
 import queue
-import secrets
 import socket
 import threading
-import time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -30,91 +27,14 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import DFlashError
+from .answer import Answer
+from .messages import chat_prompt
+from .reply import Reply, sse
 from .request import (APIError, ServerConfig, check_for_model, completion_limit, error_response,
                       parse_body, prompt_ids, read_body, settings)
 from .worker import Busy, Delta, Done, Failed, Job, Worker
 
 __all__ = ["ServerConfig", "bind", "create_app", "serve"]
-
-
-# -- responses ---------------------------------------------------------------------------------
-
-class Reply:
-    """Builds the JSON objects of one response (chat or text completion)."""
-
-    def __init__(self, chat: bool, model: str, tokenizer=None, logprobs: int | None = None):
-        self.chat, self.model = chat, model
-        self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        self.created = int(time.time())
-        self.tokenizer, self.logprobs = tokenizer, logprobs
-        self.offset = 0  # completions' text_offset of the next token
-
-    def _token(self, t: int) -> str:
-        return self.tokenizer.decode([t])
-
-    def logprobs_object(self, lps: list | None):
-        """OpenAI's `logprobs` of a choice for these tokens (None when not asked).
-
-        Chat: {"content": [{token, logprob, bytes, top_logprobs: [...]}], "refusal": None}.
-        Completions (legacy): {tokens, token_logprobs, top_logprobs: [{token: logprob}],
-        text_offset} with offsets into the completion's text."""
-        if self.logprobs is None or lps is None:
-            return None
-        if self.chat:
-            def entry(t, lp):
-                text = self._token(t)
-                return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
-
-            return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
-                                for t, lp, top in lps], "refusal": None}
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for t, lp, top in lps:
-            text = self._token(t)
-            out["tokens"].append(text)
-            out["token_logprobs"].append(lp)
-            out["top_logprobs"].append({self._token(a): b for a, b in top})
-            out["text_offset"].append(self.offset)
-            self.offset += len(text)
-        return out
-
-    def _wrap(self, choices: list, stream: bool, **extra) -> dict:
-        kind = "chat.completion" if self.chat else "text_completion"
-        obj = kind + ".chunk" if stream and self.chat else kind
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices, **extra}
-
-    def choice(self, text: str | None, finish: str | None, stream: bool, role: bool = False,
-               lps: list | None = None):
-        c = {"index": 0, "finish_reason": finish, "logprobs": self.logprobs_object(lps)}
-        if not self.chat:
-            c["text"] = text or ""
-        elif stream:
-            c["delta"] = ({"role": "assistant"} if role else {}) | (
-                {"content": text} if text is not None else {})
-        else:
-            c["message"] = {"role": "assistant", "content": text}
-        return c
-
-    @staticmethod
-    def usage(done: Done) -> dict:
-        return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-                "total_tokens": done.prompt_tokens + done.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
-
-    def full(self, text: str, done: Done, lps: list | None = None) -> dict:
-        return self._wrap([self.choice(text, done.finish_reason, False, lps=lps)], False,
-                          usage=self.usage(done), speculation=done.speculation)
-
-    def chunk(self, text: str | None, finish: str | None = None, role: bool = False,
-              lps: list | None = None, **extra) -> str:
-        return _sse(self._wrap([self.choice(text, finish, True, role, lps)], True, **extra))
-
-    def usage_chunk(self, done: Done) -> str:
-        return _sse(self._wrap([], True, usage=self.usage(done), speculation=done.speculation))
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 async def _watch_disconnect(request: Request, job: Job) -> None:
@@ -137,26 +57,25 @@ async def _next(job: Job, request: Request):
 
 async def _stream(job: Job, first, reply: Reply, include_usage: bool):
     try:
-        if reply.chat:
-            yield reply.chunk("", role=True)
+        for chunk in reply.start():
+            yield chunk
         msg = first
         while True:
             if isinstance(msg, Delta):
-                yield reply.chunk(msg.text, lps=msg.logprobs)  # "" when a block's bytes are not whole characters yet
+                for chunk in reply.chunks(msg):
+                    yield chunk
             elif isinstance(msg, Done) and msg.finish_reason == "cancelled":
-                yield _sse({"error": {"message": "generation stopped: the server is shutting "
-                                      "down", "type": "server_error", "param": None,
-                                      "code": None}})
+                yield sse({"error": {"message": "generation stopped: the server is shutting "
+                                     "down", "type": "server_error", "param": None,
+                                     "code": None}})
                 break
             elif isinstance(msg, Done):
-                yield reply.chunk(None if reply.chat else "", msg.finish_reason,
-                                  speculation=msg.speculation)
-                if include_usage:
-                    yield reply.usage_chunk(msg)
+                for chunk in reply.end(msg, include_usage):
+                    yield chunk
                 break
             else:  # failed mid-stream: the status line is gone, so an error event ends it
-                yield _sse({"error": {"message": msg.message, "type": "server_error",
-                                      "param": None, "code": None}})
+                yield sse({"error": {"message": msg.message, "type": "server_error",
+                                     "param": None, "code": None}})
                 break
             msg = await job.messages.get()
         yield "data: [DONE]\n\n"
@@ -230,11 +149,15 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
             if opts["logprobs"] is not None and getattr(worker, "group", None) is not None:
                 # the distributed leader (follower.py) does not ask the engine for them yet
                 raise APIError(400, "'logprobs' is not served under mlx.launch yet", "logprobs")
-            ids = prompt_ids(pair, body, chat, cfg)
-            return opts, ids, completion_limit(opts["max_tokens"], len(ids),
-                                               pair.target.context_length, cfg.max_tokens)
+            if chat:
+                prompt = chat_prompt(pair, body, cfg)
+                ids, answer = prompt.ids, Answer(pair.tokenizer, prompt.ids, prompt.tools)
+            else:
+                ids, answer = prompt_ids(pair, body), None
+            return opts, ids, answer, completion_limit(
+                opts["max_tokens"], len(ids), pair.target.context_length, cfg.max_tokens)
 
-        opts, ids, max_tokens = await preparer.run(prepare, await read_body(request))
+        opts, ids, answer, max_tokens = await preparer.run(prepare, await read_body(request))
         job = Job(ids, opts["sampling"], opts["stop"], max_tokens=max_tokens,
                   logprobs=opts["logprobs"])
         try:
@@ -244,7 +167,7 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
                 raise APIError(503, "the server is shutting down") from None
             raise APIError(503, f"the server is busy ({worker.jobs.maxsize} requests queued); "
                            "retry later", code="server_busy") from None
-        reply = Reply(chat, cfg.model_id, pair.tokenizer, opts["logprobs"])
+        reply = Reply(chat, cfg.model_id, pair.tokenizer, opts["logprobs"], answer)
         try:
             first = await _next(job, request)
             if isinstance(first, Failed):
@@ -253,10 +176,9 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
                 return StreamingResponse(_stream(job, first, reply, opts["include_usage"]),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
-            parts, lps, msg = [], [], first
+            deltas, msg = [], first
             while isinstance(msg, Delta):
-                parts.append(msg.text)
-                lps.extend(msg.logprobs or [])
+                deltas.append(msg)
                 msg = await _next(job, request)
         except BaseException:
             job.cancel()  # e.g. the server is shutting down: free the engine
@@ -265,7 +187,7 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
             raise APIError(msg.status, msg.message)
         if msg.finish_reason == "cancelled":
             raise APIError(503, "generation stopped: the server is shutting down")
-        return JSONResponse(reply.full("".join(parts), msg, lps))
+        return JSONResponse(reply.full(deltas, msg))
 
     async def chat_completions(request: Request):
         return await completions(request, chat=True)

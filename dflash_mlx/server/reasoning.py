@@ -1,4 +1,4 @@
-"""Splitting a generation's thinking from its answer, and the request fields that turn it on.
+"""Splitting a generation's thinking from its answer.
 
 Pure building blocks for the server: no web framework, no engine. Like mlx-lm's server, the
 split is done on decoded text (markers matched as strings, so a marker's text split across
@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-EFFORTS = ("none", "minimal", "low", "medium", "high")
 TAIL_TOKENS = 64  # enough of a prompt's end to hold any generation-prompt think marker
 
 
@@ -24,14 +23,6 @@ class ContentDelta:
 @dataclass(frozen=True)
 class ReasoningDelta:
     text: str
-
-
-class ReasoningError(ValueError):
-    """A bad reasoning field in a request; `param` names it for the 400 body."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 def think_markers(tokenizer) -> tuple[str, str] | None:
@@ -123,37 +114,3 @@ class ReasoningStream:
             out[-1] = kind(out[-1].text + text)
         else:
             out.append(kind(text))
-
-
-def reasoning_kwargs(body: dict) -> dict:
-    """Chat-template kwargs for a request's `reasoning_effort` and `chat_template_kwargs`.
-
-    mlx-lm's server passes `chat_template_kwargs` through to `apply_chat_template` (its
-    tokenizer wrapper defaults `enable_thinking` to whether the model thinks). On top of
-    that: `reasoning_effort: "none"` turns thinking off, a level turns it on and reaches
-    templates that read `reasoning_effort`. An explicit `enable_thinking` wins, but may not
-    contradict the effort.
-    """
-    effort = body.get("reasoning_effort")
-    extra = body.get("chat_template_kwargs")
-    if extra is not None and not isinstance(extra, dict):
-        raise ReasoningError("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    extra = dict(extra or {})
-    enable = extra.get("enable_thinking")
-    if enable is not None and not isinstance(enable, bool):
-        raise ReasoningError("chat_template_kwargs.enable_thinking must be a boolean",
-                             "chat_template_kwargs")
-    out: dict = {}
-    if effort is not None:
-        if effort not in EFFORTS:
-            raise ReasoningError(f"'reasoning_effort' must be one of {', '.join(EFFORTS)}, "
-                                 f"got {effort!r}", "reasoning_effort")
-        on = effort != "none"
-        if enable is not None and enable != on:
-            raise ReasoningError(f"reasoning_effort {effort!r} contradicts "
-                                 f"chat_template_kwargs.enable_thinking={enable}",
-                                 "reasoning_effort")
-        out["enable_thinking"] = on
-        if on:
-            out["reasoning_effort"] = effort
-    return {**out, **extra}

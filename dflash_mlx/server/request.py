@@ -14,101 +14,19 @@ from dataclasses import dataclass, field, replace
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from ..chat import apply_template
 from ..inputs import check_text, decode_text, encode_prompt, is_text
 from ..errors import InvalidArgumentError
 from ..speculate.grammar import Constraint
 from ..speculate.processors import Processing
 from ..speculate.sampling import SamplingParams, check_max_tokens
+from .fields import FIELDS, field_problem
 
 MAX_BODY = 8 * 1024 * 1024
 MAX_STOPS = 16
 MAX_DEPTH = 32  # JSON nesting: OpenAI bodies need 5; deeper is an attack on recursive code
-MAX_TEMPLATE = 64 * 1024
-# chat_template_kwargs that would change what the server itself asks of the template
-SERVER_KWARGS = ("messages", "conversation", "add_generation_prompt", "tokenize", "return_dict",
-                 "continue_final_message", "return_tensors", "padding", "truncation",
-                 "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask")
-ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_TOP_LOGPROBS = {True: 20, False: 5}  # chat's top_logprobs, completions' logprobs (OpenAI)
 MAX_PENALTY = 2.0  # OpenAI's presence/frequency penalty range is [-2, 2]
 
-# The field policy: every top-level field either endpoint takes, and what happens to it.
-# Each field maps to (endpoints, default): endpoints "chat", "text" (/v1/completions) or "both";
-# default None: honoured (any valid value changes the outcome as documented, or is checked and
-# refused with a 400 naming it); otherwise a test of "this value is the default", and any other
-# value is refused with 400 naming the field, never silently ignored. A field not in this table
-# is refused too (400 naming it). Fields marked "no-op" are honest to accept: they ask nothing
-# of the output (bookkeeping for the client's provider), so ignoring them changes nothing.
-def _off(*defaults):
-    return lambda v: v is None or any(v == d and type(v) is type(d) for d in defaults)
-
-
-def _off_any(v) -> bool:  # a no-op field: any value is as good as the default
-    return True
-
-
-FIELDS = {
-    # what to generate from, and how much
-    "model": ("both", None),
-    "messages": ("chat", None),
-    "prompt": ("text", None),
-    "max_tokens": ("both", None),
-    "max_completion_tokens": ("chat", None),
-    "stop": ("both", None),
-    "stream": ("both", None),
-    "stream_options": ("both", None),  # include_usage is honoured
-    # sampling (SamplingParams) and logits processors (Processing)
-    "temperature": ("both", None),
-    "top_p": ("both", None),
-    "top_k": ("both", None),  # mlx_lm.server / vLLM extension
-    "min_p": ("both", None),  # mlx_lm.server extension
-    "seed": ("both", None),
-    "repetition_penalty": ("both", None),  # mlx_lm.server extension
-    "repetition_context_size": ("both", None),  # mlx_lm.server extension
-    "presence_penalty": ("both", None),
-    "presence_context_size": ("both", None),  # mlx_lm.server extension
-    "frequency_penalty": ("both", None),
-    "frequency_context_size": ("both", None),  # mlx_lm.server extension
-    "logit_bias": ("both", None),
-    "logprobs": ("both", None),  # chat: a bool; completions: an int 0..5
-    "top_logprobs": ("chat", None),
-    "response_format": ("both", None),  # -> Constraint (completions: as vLLM takes it)
-    # the chat template
-    "chat_template_kwargs": ("chat", None),  # mlx_lm.server extension
-    "chat_template": ("chat", None),  # only when the operator allows client templates
-    "reasoning_effort": ("chat", None),  # reaches the template (registry.reasoning_kwargs)
-    # tools: not served yet; refused when they would ask for anything
-    "tools": ("chat", _off([])),
-    "functions": ("chat", _off([])),
-    "tool_choice": ("chat", _off("none", "auto")),  # with no tools, both mean plain text
-    "function_call": ("chat", _off("none", "auto")),
-    "parallel_tool_calls": ("chat", _off(True, False)),  # no-op: no tools, no tool calls
-    # no-ops: bookkeeping for the provider, nothing asked of the output
-    "user": ("both", _off_any),
-    "metadata": ("chat", _off_any),
-    "safety_identifier": ("chat", _off_any),
-    "prompt_cache_key": ("chat", _off_any),  # prompt caching happens anyway (session caches)
-    "store": ("chat", _off(False)),  # nothing is stored; store=true would ask that it is
-    "service_tier": ("chat", _off("auto", "default")),
-    "return_meta_info": ("both", _off_any),  # SGLang's; this server answers `speculation`
-    # refused unless default: what this engine cannot do
-    "n": ("both", _off(1)),
-    "best_of": ("text", _off(1)),
-    "echo": ("text", _off(False)),
-    "suffix": ("text", _off("")),
-    "audio": ("chat", _off()),
-    "modalities": ("chat", _off(["text"])),
-    "prediction": ("chat", _off()),
-    "verbosity": ("chat", _off("medium")),
-    "web_search_options": ("chat", _off()),
-    "adapters": ("both", _off()),  # mlx_lm.server: LoRA adapters
-    "draft_model": ("both", _off()),  # mlx_lm.server: the draft is chosen at start
-    "num_draft_tokens": ("both", _off()),  # mlx_lm.server: --block-size at start instead
-    "xtc_probability": ("both", _off(0, 0.0)),  # mlx_lm.server's XTC sampler
-    "xtc_threshold": ("both", _off()),
-    "role_mapping": ("both", _off()),  # mlx_lm.server: prompt formatting without a template
-}
 ERROR_TYPES = {401: "invalid_request_error", 500: "server_error", 503: "server_error"}
 
 
@@ -170,17 +88,12 @@ def _stops(body: dict) -> list[str]:
 
 
 def _policy(body: dict, chat: bool | None) -> None:
-    """The field policy (FIELDS): unknown fields and non-default unsupported values are 400."""
-    for name, value in body.items():
-        where, is_default = FIELDS.get(name, (None, None))
-        if where is None or (chat is not None and where != "both"
-                             and where != ("chat" if chat else "text")):
-            endpoint = "" if chat is None else " on /v1/" + (
-                "chat/completions" if chat else "completions")
-            raise APIError(400, f"unknown field {_short(repr(name))}{endpoint}", _short(name))
-        if is_default is not None and not is_default(value):
-            raise APIError(400, f"'{name}' is not supported by this server (only its default "
-                           "is accepted)", name)
+    """The field policy (fields.FIELDS): unknown fields and non-default unsupported values are
+    400 naming the field."""
+    problem = field_problem(body, chat)
+    if problem is not None:
+        message, name = problem
+        raise APIError(400, message, _short(name))
 
 
 def _optional_number(body: dict, name: str, default, integer: bool = False, off=None):
@@ -256,7 +169,6 @@ def _constraint(body: dict, default):
 def _logprobs(body: dict, chat: bool | None) -> int | None:
     """How many top alternatives per token (None: no log-probabilities at all)."""
     v = body.get("logprobs")
-    top = body.get("top_logprobs")
     if chat is False or (chat is None and not isinstance(v, bool) and v is not None):
         n = _number(body, "logprobs", None, integer=True)  # legacy completions: an int 0..5
         if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS[False]:
@@ -322,101 +234,22 @@ def check_for_model(opts: dict, pair) -> None:
         raise APIError(400, str(e), "logit_bias") from None
 
 
-def _content(content, i: int) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" \
-                    or not isinstance(part.get("text"), str):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported",
-                               "messages")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
-                   "messages")
+def prompt_ids(pair, body: dict) -> list[int]:
+    """The ids of a completions request's prompt: a string or token ids (a batch of one)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    ok_ids = isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    if not (isinstance(prompt, str) or ok_ids):
+        raise APIError(400, "'prompt' must be a string or a list of token ids (one prompt)",
+                       "prompt")
+    ids = prompt if ok_ids else (pair.tokenizer.encode(prompt) if prompt else [])
+    return check_context(pair, ids, "prompt")
 
 
-def _messages(body: dict) -> list[dict]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise APIError(400, "'messages' must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise APIError(400, f"messages[{i}] needs a role among {', '.join(ROLES)}",
-                           "messages")
-        role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": _content(m.get("content"), i)})
-    return out
-
-
-def _template_kwargs(body: dict, cfg: ServerConfig) -> dict:
-    from ..registry import reasoning_kwargs
-
-    effort = body.get("reasoning_effort")
-    if effort is not None and not isinstance(effort, str):
-        raise APIError(400, "'reasoning_effort' must be a string", "reasoning_effort")
-    extra = body.get("chat_template_kwargs")
-    if extra is not None and not isinstance(extra, dict):
-        raise APIError(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    extra = dict(extra or {})
-    for name in ("tools", "functions", "documents"):  # what `tools` refuses, not smuggled in
-        if extra.get(name):
-            raise APIError(400, f"'{name}' is not supported by this server",
-                           "chat_template_kwargs")
-        extra.pop(name, None)
-    for name in SERVER_KWARGS:
-        if name in extra:
-            raise APIError(400, f"chat_template_kwargs.{name} is set by the server",
-                           "chat_template_kwargs")
-    template = extra.pop("chat_template", None)
-    if body.get("chat_template") is not None:
-        template = body["chat_template"]
-    if template is not None:
-        extra["chat_template"] = _client_template(template, cfg)
-    try:
-        kwargs = reasoning_kwargs(cfg.entry, "off" if effort == "none" else effort)
-    except InvalidArgumentError as e:
-        raise APIError(400, str(e), "reasoning_effort") from None
-    return {**kwargs, **extra}
-
-
-def _client_template(template, cfg: ServerConfig) -> str:
-    """A chat template sent by the client: Jinja run on this machine, so only by consent."""
-    if not cfg.client_templates:
-        raise APIError(400, "this server does not run chat templates sent by clients "
-                       "(the operator has not allowed them)",
-                       "chat_template")
-    if not isinstance(template, str) or len(template) > MAX_TEMPLATE:
-        raise APIError(400, f"'chat_template' must be a string of at most {MAX_TEMPLATE} "
-                       "characters", "chat_template")
-    return template
-
-
-def prompt_ids(pair, body: dict, chat: bool, cfg: ServerConfig) -> list[int]:
-    if chat:
-        messages, kwargs = _messages(body), _template_kwargs(body, cfg)
-        try:
-            ids = apply_template(pair.tokenizer, messages, kwargs=kwargs)
-        except InvalidArgumentError as e:
-            raise APIError(400, str(e), "messages") from None
-        except Exception as e:  # a template that rejects these messages or kwargs
-            raise APIError(400, f"the chat template failed: {e}", "messages") from None
-        param = "messages"
-    else:
-        prompt, param = body.get("prompt"), "prompt"
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        ok_ids = isinstance(prompt, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        if not (isinstance(prompt, str) or ok_ids):
-            raise APIError(400, "'prompt' must be a string or a list of token ids (one prompt)",
-                           "prompt")
-        ids = prompt if ok_ids else (pair.tokenizer.encode(prompt) if prompt else [])
+def check_context(pair, ids: list[int], param: str) -> list[int]:
+    """`ids` checked against the target: they fit its context, they are in its vocabulary."""
     context = pair.target.context_length
     if context and len(ids) >= context:
         raise APIError(400, f"This model's maximum context length is {context} tokens, but the "

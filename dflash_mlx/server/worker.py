@@ -35,6 +35,7 @@ TokenLogprob = tuple[int, float, list[tuple[int, float]]]
 class Delta:
     text: str
     logprobs: list[TokenLogprob] | None = None  # the tokens behind `text`, when asked
+    tokens: int = 0  # how many tokens the block emitted (usage's reasoning_tokens counts them)
 
 
 @dataclass
@@ -265,7 +266,8 @@ class Worker:
                     lps = self._token_logprobs(ev, eos, raw, cut)
                 raw += len(ev.text)
                 emitted += len(text)
-                job.emit(Delta(text, lps))  # even empty: one chunk per block paces the client
+                # even empty: one chunk per block paces the client
+                job.emit(Delta(text, lps, len(ev.tokens)))
                 if finish is None and job.cancelled.is_set():
                     finish = "cancelled"
                 if finish is not None:

@@ -1,0 +1,185 @@
+"""Tool calls and reasoning through `dflash-mlx serve`, as an agent calls it: the official
+`openai` client against scripted targets (tests/support/scripted.py) that answer a chat prompt
+with thinking and then a tool call, or thinking and then an answer. The whole path runs: the
+model's template renders the tools, the engine speculates, mlx-lm's parser reads the call.
+The same requests to mlx_lm.server on the same files give the same tool calls."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from support import server as ss
+from support.scripted import (ANSWER, CALL, THINK_THEN_ANSWER, THINK_THEN_CALL, THOUGHT,
+                              WEATHER_TOOL, make_scripted_pair)
+
+openai = pytest.importorskip("openai")
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+HISTORY = ASK + [
+    {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny", "temp": 21}'}]
+
+
+def _serve(pair, log, module="dflash_mlx.cli.main", serve=True):
+    target, draft = pair
+    args = ["--model", target, "--draft", draft] if serve else ["--model", target]
+    return ss.wait_ready(ss.start([*args, "--log-level", "warning"], log, module=module,
+                                  serve=serve))
+
+
+@pytest.fixture(scope="module")
+def caller(tmp_path_factory):
+    """A server whose target thinks, then calls get_weather(city=Paris, unit=celsius)."""
+    root = tmp_path_factory.mktemp("caller")
+    s = _serve(make_scripted_pair(root, THINK_THEN_CALL), root / "server.log")
+    yield s
+    assert s.stop() in (0, 130)
+    assert "Traceback" not in (root / "server.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def answerer(tmp_path_factory):
+    """A server whose target thinks, then answers in text."""
+    root = tmp_path_factory.mktemp("answerer")
+    s = _serve(make_scripted_pair(root, THINK_THEN_ANSWER), root / "server.log")
+    yield s
+    assert s.stop() in (0, 130)
+
+
+def _client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def test_tool_call_is_parsed_into_tool_calls(caller):
+    r = _client(caller).chat.completions.create(messages=ASK, tools=[WEATHER_TOOL],
+                                                max_tokens=32, model=_model(caller))
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None  # the call's text never leaks into content
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == json.loads(CALL)["arguments"]
+    extra = choice.message.model_extra
+    assert extra["reasoning_content"] == extra["reasoning"] == THOUGHT
+    assert r.usage.completion_tokens == len(THINK_THEN_CALL) + 1  # + <|im_end|>
+    assert r.usage.completion_tokens_details.reasoning_tokens == 3  # <think> THOUGHT </think>
+
+
+def test_streamed_tool_call_assembles_to_the_same_call(caller):
+    stream = _client(caller).chat.completions.create(
+        model=_model(caller), messages=ASK, tools=[WEATHER_TOOL], max_tokens=32, stream=True,
+        stream_options={"include_usage": True})
+    thinking, content, calls, finish, usage = "", "", {}, None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            d = c.delta
+            thinking += (d.model_extra or {}).get("reasoning_content") or ""
+            content += d.content or ""
+            for tc in d.tool_calls or []:
+                slot = calls.setdefault(tc.index, {"id": None, "name": None, "args": ""})
+                if tc.id:
+                    assert slot["id"] is None  # id and name come once, first
+                    slot["id"], slot["name"] = tc.id, tc.function.name
+                slot["args"] += tc.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and content == "" and thinking == THOUGHT
+    assert list(calls) == [0] and calls[0]["name"] == "get_weather"
+    assert calls[0]["id"].startswith("call_")
+    assert json.loads(calls[0]["args"]) == json.loads(CALL)["arguments"]
+    assert usage.completion_tokens_details.reasoning_tokens == 3
+
+
+def test_without_tools_the_text_is_content(caller):
+    """No tools in the request: nothing is parsed (as mlx_lm.server does)."""
+    r = _client(caller).chat.completions.create(model=_model(caller), messages=ASK,
+                                                max_tokens=32)
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+    assert r.choices[0].message.content == "<tool_call>" + CALL + "</tool_call>"
+
+
+def test_tool_history_reaches_the_template_and_the_answer_follows(answerer):
+    r = _client(answerer).chat.completions.create(model=_model(answerer), messages=HISTORY,
+                                                  tools=[WEATHER_TOOL], max_tokens=32)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content == ANSWER
+    assert not choice.message.tool_calls
+    assert choice.message.model_extra["reasoning_content"] == THOUGHT
+    # the tool result and the call were rendered: the prompt holds them as the template wrote
+    status, body = answerer.post("/v1/chat/completions", {
+        "messages": HISTORY, "tools": [WEATHER_TOOL], "max_tokens": 1})
+    assert status == 200
+    plain = answerer.post("/v1/chat/completions", {"messages": ASK, "max_tokens": 1})[1]
+    assert body["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 30
+
+
+def test_thinking_off_is_honoured(answerer):
+    """enable_thinking false: the template closes an empty think block; no reasoning."""
+    r = _client(answerer).chat.completions.create(
+        model=_model(answerer), messages=ASK, max_tokens=32,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].message.content is not None
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": {"type": "function"}}, "tools"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function",
+                                               "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER_TOOL] * 2}, "tools"),
+    ({"tools": [WEATHER_TOOL], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"messages": ASK + [{"role": "tool", "content": "x"}]}, "messages"),
+    ({"messages": ASK + [{"role": "assistant", "tool_calls": [{"function": {"name": "f",
+                                                                            "arguments": "{"}}]}]},
+     "messages"),
+])
+def test_bad_tool_fields_are_a_400_naming_them(caller, body, param):
+    status, out = caller.post("/v1/chat/completions", {"messages": ASK, "max_tokens": 4, **body})
+    assert status == 400, out
+    assert out["error"]["param"] == param, out
+
+
+def test_a_model_without_a_tool_format_is_a_400_naming_it(server_plain):
+    status, out = server_plain.post("/v1/chat/completions", {
+        "messages": ASK, "tools": [WEATHER_TOOL], "max_tokens": 4})
+    assert status == 400 and out["error"]["param"] == "tools"
+    assert "tiny" in out["error"]["message"] or "model" in out["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def server_plain(tiny, tmp_path_factory):
+    yield from ss.clean_tiny_server(tiny, tmp_path_factory.mktemp("plain") / "server.log")
+
+
+def test_mlx_lm_server_gives_the_same_tool_calls(caller, tmp_path):
+    """mlx_lm.server on the same target files: the same call, name and arguments."""
+    target = caller_target(caller)
+    ref = ss.wait_ready(ss.start(["--model", target], tmp_path / "mlx_lm.log",
+                                 module="mlx_lm.server", serve=False), timeout=120)
+    try:
+        theirs = _client(ref).chat.completions.create(model=target, messages=ASK,
+                                                      tools=[WEATHER_TOOL], max_tokens=32)
+    finally:
+        ref.stop()
+    ours = _client(caller).chat.completions.create(model=_model(caller), messages=ASK,
+                                                   tools=[WEATHER_TOOL], max_tokens=32)
+    a, b = theirs.choices[0], ours.choices[0]
+    assert a.finish_reason == b.finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in a.message.tool_calls] \
+        == [(c.function.name, json.loads(c.function.arguments)) for c in b.message.tool_calls]
+
+
+def _model(server) -> str:
+    return server.get("/v1/models")[1]["data"][0]["id"]
+
+
+def caller_target(server) -> str:
+    return server.get("/v1/models")[1]["data"][0]["dflash"]["target"]
