@@ -83,7 +83,11 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option(
         envvar="DFLASH_MLX_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*.")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(
-        help="The model id clients send (default: the models.toml name, or --model).")] = None,
+        help="The model id clients send (default: the models.toml name, or --model's "
+        "folder name; the full --model is accepted too).")] = None,
+    allowed_origins: Annotated[Optional[str], typer.Option(
+        help="CORS: comma-separated origins of browser pages that may call the API "
+        "(e.g. http://localhost:3000), or '*' for any. Default: none.")] = None,
     queue_size: Annotated[int, typer.Option(
         help="Requests that may wait while one generates; beyond that, 503.")] = 64,
     log_level: Annotated[str, typer.Option(help="uvicorn log level (info: one line per "
@@ -116,7 +120,7 @@ def serve(
     server.serve(registry.resolve(model, draft, no_draft), wanted, host=host, port=port,
                  api_key=api_key, model_name=served_model_name, queue_size=queue_size,
                  log_level=log_level, max_tokens=max_tokens, sampling=defaults,
-                 client_templates=allow_client_templates)
+                 client_templates=allow_client_templates, allowed_origins=allowed_origins)
 
 
 @app.command("train-draft")

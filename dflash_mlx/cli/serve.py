@@ -7,6 +7,7 @@ it, so the command line loads it only for these commands.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -126,9 +127,35 @@ def check_options(*, host: str, port: int, api_key: str | None, queue_size: int,
         raise InvalidArgumentError(f"--port must be between 0 and 65535, got {port}")
 
 
+def model_names(spec, served: str | None, target_path) -> tuple[str, tuple[str, ...]]:
+    """The id clients see (--served-model-name, the registry name, or the target folder's
+    name) and the other names a request may use: the full --model, its local path, and
+    "dflash" (what a client config written for any dflash-mlx server sends)."""
+    short = spec.entry.name if spec.entry else (Path(spec.target).name or spec.target)
+    model_id = served or short
+    names = {spec.target, str(target_path), short, "dflash"} - {model_id}
+    return model_id, tuple(sorted(names))
+
+
+def parse_origins(value: str | None) -> tuple[str, ...]:
+    """--allowed-origins: '*' or comma-separated http(s) origins (scheme://host[:port])."""
+    if value is None:
+        return ()
+    origins = tuple(o.strip().rstrip("/") for o in value.split(",") if o.strip())
+    for o in origins:
+        if o != "*" and not re.fullmatch(r"https?://[^/\s]+", o):
+            raise InvalidArgumentError(f"--allowed-origins: {o!r} is not an origin (write "
+                                       "scheme://host[:port], e.g. http://localhost:3000, "
+                                       "or '*')")
+    if not origins:
+        raise InvalidArgumentError("--allowed-origins is empty")
+    return origins
+
+
 def serve(spec, settings: engine.EngineSettings, *, host: str, port: int, api_key: str | None,
           model_name: str | None, queue_size: int, log_level: str, max_tokens: int,
-          sampling: SamplingParams, client_templates: bool) -> None:
+          sampling: SamplingParams, client_templates: bool,
+          allowed_origins: str | None = None) -> None:
     """`serve`: bind, open the engine, then answer until Ctrl-C. Under mlx.launch rank 0 does
     that while the other ranks follow its generations (`server/follower.py`)."""
     from ..distributed import end_with_launcher, world
@@ -137,6 +164,7 @@ def serve(spec, settings: engine.EngineSettings, *, host: str, port: int, api_ke
 
     check_options(host=host, port=port, api_key=api_key, queue_size=queue_size,
                   log_level=log_level)
+    origins = parse_origins(allowed_origins)
     engine.check(settings)
     group = world()
     if group is not None and group.rank() != 0:  # quiet: rank 0 speaks and serves
@@ -157,12 +185,12 @@ def serve(spec, settings: engine.EngineSettings, *, host: str, port: int, api_ke
         sock.close()
         raise
     pair, config, block = opened.pair, opened.config, opened.block_size
-    model_id = model_name or (spec.entry.name if spec.entry else spec.target)
-    aliases = tuple({spec.target, str(opened.loaded.target_path)} - {model_id})
+    model_id, aliases = model_names(spec, model_name, opened.loaded.target_path)
     info = {"target": spec.target, "draft": spec.draft, "block_size": block,
             "tree": config.tree, "weights": pair.weights}
     cfg = ServerConfig(model_id, aliases, api_key, max_tokens=max_tokens, sampling=sampling,
-                       entry=spec.entry, info=info, client_templates=client_templates)
+                       entry=spec.entry, info=info, client_templates=client_templates,
+                       allowed_origins=origins)
     bound = sock.getsockname()[1]
     where = f"[{host}]" if ":" in host else host
     how = f"DFlash block {block}" if block > 1 else "plain autoregressive"

@@ -23,12 +23,15 @@ import threading
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import DFlashError
 from .answer import Answer
 from .messages import chat_prompt
+from .metrics import CONTENT_TYPE as METRICS_TYPE, HTTPCounts, render as render_metrics
 from .reply import Reply, sse
 from .request import (APIError, ServerConfig, check_for_model, completion_limit, error_response,
                       parse_body, prompt_ids, read_body, settings)
@@ -129,15 +132,19 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
     pair = worker.pair
     preparer = Preparer()
 
+    http = HTTPCounts()
+
     def guarded(handler, auth: bool = True):
         async def endpoint(request: Request):
             try:
                 if auth and cfg.api_key and not _authorized(request, cfg.api_key):
                     raise APIError(401, "Incorrect or missing API key: send 'Authorization: "
                                    "Bearer <key>'", code="invalid_api_key")
-                return await handler(request)
+                response = await handler(request)
             except APIError as e:
-                return e.response()
+                response = e.response()
+            http.add(request.url.path, response.status_code)
+            return response
 
         return endpoint
 
@@ -195,10 +202,22 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
     async def text_completions(request: Request):
         return await completions(request, chat=False)
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": cfg.created, "owned_by": "dflash-mlx",
+                **({"dflash": cfg.info} if cfg.info else {})}
+
     async def models(request: Request):
-        return JSONResponse({"object": "list", "data": [
-            {"id": cfg.model_id, "object": "model", "created": cfg.created,
-             "owned_by": "dflash-mlx", **({"dflash": cfg.info} if cfg.info else {})}]})
+        return JSONResponse({"object": "list", "data": [model_card(cfg.model_id)]})
+
+    async def model(request: Request):
+        name = request.path_params["name"]
+        if name not in (cfg.model_id, *cfg.aliases):
+            raise APIError(404, f"The model {name!r} does not exist: this server serves "
+                           f"'{cfg.model_id}'", "model", "model_not_found")
+        return JSONResponse(model_card(name))
+
+    async def metrics(request: Request):
+        return PlainTextResponse(render_metrics(worker, http), media_type=METRICS_TYPE)
 
     async def health(request: Request):
         ok = worker.alive
@@ -219,11 +238,16 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
         Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
         Route("/v1/completions", guarded(text_completions), methods=["POST"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/v1/models/{name:path}", guarded(model), methods=["GET"]),
+        Route("/metrics", guarded(metrics), methods=["GET"]),
         Route("/health", guarded(health, auth=False), methods=["GET"]),
         Route("/v1/health", guarded(health, auth=False), methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error,
-                                                        Exception: server_error})
+    middleware = [Middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins),
+                             allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
+                             max_age=600)] if cfg.allowed_origins else []
+    return Starlette(routes=routes, middleware=middleware,
+                     exception_handlers={HTTPException: http_error, Exception: server_error})
 
 
 def _authorized(request: Request, key: str) -> bool:

@@ -43,6 +43,7 @@ class ServerConfig:
     info: dict = field(default_factory=dict)  # shown in /v1/models
     # run chat templates a client sends (Jinja on the server's CPU): off unless the operator asks
     client_templates: bool = False
+    allowed_origins: tuple[str, ...] = ()  # CORS: browser pages that may call the API ("*": any)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
