@@ -183,3 +183,67 @@ def _model(server) -> str:
 
 def caller_target(server) -> str:
     return server.get("/v1/models")[1]["data"][0]["dflash"]["target"]
+
+
+# -- /v1/responses -----------------------------------------------------------------------------
+
+def test_responses_function_call_then_its_output_continues_the_conversation(caller, answerer):
+    first = _client(caller).responses.create(model=_model(caller), input=ASK[0]["content"],
+                                             tools=[_flat(WEATHER_TOOL)], max_output_tokens=32)
+    assert first.status == "completed"
+    kinds = [item.type for item in first.output]
+    assert kinds == ["reasoning", "function_call"], kinds
+    call = first.output[1]
+    assert call.name == "get_weather"
+    assert json.loads(call.arguments) == json.loads(CALL)["arguments"]
+    assert first.output[0].content[0].text == THOUGHT
+    assert first.usage.output_tokens_details.reasoning_tokens == 3
+    # the agent's next step: the tool's output, on top of the stored response (the answerer
+    # serves the same template, so the same stored conversation is a valid history there too)
+    items = [{"type": "function_call_output", "call_id": call.call_id,
+              "output": '{"sky": "sunny"}'}]
+    second = _client(caller).responses.create(model=_model(caller), input=items,
+                                              previous_response_id=first.id,
+                                              tools=[_flat(WEATHER_TOOL)], max_output_tokens=32)
+    assert second.previous_response_id == first.id and second.status == "completed"
+    assert second.usage.input_tokens > first.usage.input_tokens + 20  # the history came along
+    r = _client(answerer).responses.create(model=_model(answerer), input=[
+        {"role": "user", "content": ASK[0]["content"]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": '{"sky": "sunny"}'}],
+        tools=[_flat(WEATHER_TOOL)], instructions="Be brief.", max_output_tokens=32)
+    assert r.output_text == ANSWER and r.instructions == "Be brief."
+
+
+def test_responses_streamed_events_assemble_to_the_same_response(answerer):
+    with _client(answerer).responses.stream(model=_model(answerer), input="Weather?",
+                                            max_output_tokens=32) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    assert "response.reasoning_text.delta" in kinds and "response.output_text.delta" in kinds
+    assert final.output_text == ANSWER
+    plain = _client(answerer).responses.create(model=_model(answerer), input="Weather?",
+                                               max_output_tokens=32)
+    assert [i.type for i in plain.output] == [i.type for i in final.output]
+    assert plain.output_text == final.output_text
+
+
+def test_responses_length_is_incomplete_and_refusals_name_the_field(answerer):
+    r = _client(answerer).responses.create(model=_model(answerer), input="Weather?",
+                                           max_output_tokens=2)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    for body, param in [({"tools": [{"type": "web_search"}]}, "tools"),
+                        ({"background": True}, "background"),
+                        ({"input": [{"type": "mystery"}]}, "input")]:
+        status, out = answerer.post("/v1/responses", {"input": "hi", **body})
+        assert status == 400 and param in (out["error"]["param"] or ""), out
+    status, out = answerer.post("/v1/responses", {"input": "hi", "previous_response_id": "resp_x"})
+    assert status == 404
+
+
+def _flat(tool: dict) -> dict:
+    """A chat tool in the Responses API's flat shape."""
+    return {"type": "function", **tool["function"]}

@@ -1,7 +1,7 @@
 """`dflash-mlx serve`: an OpenAI-compatible HTTP API over the engine (Starlette on uvicorn).
 
-Endpoints: POST /v1/chat/completions and /v1/completions (SSE streaming or not), GET
-/v1/models and /health. Requests are parsed, checked and tokenized on one preparation thread
+Endpoints: POST /v1/chat/completions, /v1/completions and /v1/responses (SSE streaming or
+not), GET /v1/models, /v1/models/{id}, /metrics and /health. Requests are parsed, checked and tokenized on one preparation thread
 (the event loop stays free for /health and other clients), then run one at a time by
 `worker.Worker`. Every failure is an OpenAI-style error body with a 4xx
 or 5xx code; nothing a client sends ends the server. Beyond OpenAI's fields, responses carry
@@ -33,6 +33,8 @@ from .answer import Answer
 from .messages import chat_prompt
 from .metrics import CONTENT_TYPE as METRICS_TYPE, HTTPCounts, render as render_metrics
 from .reply import Reply, sse
+from .response_events import ResponseStream, sse as response_sse
+from .responses import ResponseStore, parse as parse_responses
 from .request import (APIError, ServerConfig, check_for_model, completion_limit, error_response,
                       parse_body, prompt_ids, read_body, settings)
 from .worker import Busy, Delta, Done, Failed, Job, Worker
@@ -86,6 +88,28 @@ async def _stream(job: Job, first, reply: Reply, include_usage: bool):
         job.cancel()  # after a disconnect: the worker stops at the next block boundary
 
 
+async def _response_events(job: Job, first, out: ResponseStream, answer: Answer):
+    """The Responses API's stream: its typed events, then the end (no [DONE] line)."""
+    try:
+        for event in out.start():
+            yield response_sse(event)
+        msg = first
+        while True:
+            if isinstance(msg, Delta):
+                events = out.feed(answer.feed(msg.text, msg.tokens))
+            elif isinstance(msg, Done):
+                events = out.feed(answer.finish()) + out.finish(msg, answer.reasoning_tokens)
+            else:
+                events = out.fail(msg.message)
+            for event in events:
+                yield response_sse(event)
+            if not isinstance(msg, Delta):
+                break
+            msg = await job.messages.get()
+    finally:
+        job.cancel()
+
+
 class Preparer:
     """One daemon thread that parses and tokenizes requests off the event loop.
 
@@ -131,6 +155,7 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
     """The Starlette app; `worker` must be started (see `serve`)."""
     pair = worker.pair
     preparer = Preparer()
+    store = ResponseStore()  # previous_response_id: recent responses, bounded
 
     http = HTTPCounts()
 
@@ -148,23 +173,24 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
 
         return endpoint
 
-    async def completions(request: Request, chat: bool):
-        def prepare(raw: bytes):
-            body = parse_body(raw)
-            opts = settings(body, cfg, chat)
-            check_for_model(opts, pair)
-            if opts["logprobs"] is not None and getattr(worker, "group", None) is not None:
-                # the distributed leader (follower.py) does not ask the engine for them yet
-                raise APIError(400, "'logprobs' is not served under mlx.launch yet", "logprobs")
-            if chat:
-                prompt = chat_prompt(pair, body, cfg)
-                ids, answer = prompt.ids, Answer(pair.tokenizer, prompt.ids, prompt.tools)
-            else:
-                ids, answer = prompt_ids(pair, body), None
-            return opts, ids, answer, completion_limit(
-                opts["max_tokens"], len(ids), pair.target.context_length, cfg.max_tokens)
+    def prepare(body: dict, chat: bool):
+        """(settings, prompt ids, the chat answer's splitter, max tokens) of a request body."""
+        opts = settings(body, cfg, chat)
+        check_for_model(opts, pair)
+        if opts["logprobs"] is not None and getattr(worker, "group", None) is not None:
+            # the distributed leader (follower.py) does not ask the engine for them yet
+            raise APIError(400, "'logprobs' is not served under mlx.launch yet", "logprobs")
+        if chat:
+            prompt = chat_prompt(pair, body, cfg)
+            ids, answer = prompt.ids, Answer(pair.tokenizer, prompt.ids, prompt.tools)
+        else:
+            ids, answer = prompt_ids(pair, body), None
+        return opts, ids, answer, completion_limit(
+            opts["max_tokens"], len(ids), pair.target.context_length, cfg.max_tokens)
 
-        opts, ids, answer, max_tokens = await preparer.run(prepare, await read_body(request))
+    async def run(request: Request, opts: dict, ids: list[int], max_tokens: int):
+        """Submit the job; (job, its first message, or all its deltas and the end when not
+        streamed)."""
         job = Job(ids, opts["sampling"], opts["stop"], max_tokens=max_tokens,
                   logprobs=opts["logprobs"])
         try:
@@ -174,15 +200,12 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
                 raise APIError(503, "the server is shutting down") from None
             raise APIError(503, f"the server is busy ({worker.jobs.maxsize} requests queued); "
                            "retry later", code="server_busy") from None
-        reply = Reply(chat, cfg.model_id, pair.tokenizer, opts["logprobs"], answer)
         try:
             first = await _next(job, request)
             if isinstance(first, Failed):
                 raise APIError(first.status, first.message)
             if opts["stream"]:
-                return StreamingResponse(_stream(job, first, reply, opts["include_usage"]),
-                                         media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
+                return job, first, None
             deltas, msg = [], first
             while isinstance(msg, Delta):
                 deltas.append(msg)
@@ -194,7 +217,36 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
             raise APIError(msg.status, msg.message)
         if msg.finish_reason == "cancelled":
             raise APIError(503, "generation stopped: the server is shutting down")
-        return JSONResponse(reply.full(deltas, msg))
+        return job, deltas, msg
+
+    def event_stream(chunks) -> StreamingResponse:
+        return StreamingResponse(chunks, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def completions(request: Request, chat: bool):
+        opts, ids, answer, max_tokens = await preparer.run(
+            lambda raw: prepare(parse_body(raw), chat), await read_body(request))
+        reply = Reply(chat, cfg.model_id, pair.tokenizer, opts["logprobs"], answer)
+        job, got, done = await run(request, opts, ids, max_tokens)
+        if done is None:
+            return event_stream(_stream(job, got, reply, opts["include_usage"]))
+        return JSONResponse(reply.full(got, done))
+
+    async def responses(request: Request):
+        def parse(raw: bytes):
+            req = parse_responses(parse_body(raw), store)
+            return req, *prepare(req.chat, True)
+
+        req, opts, ids, answer, max_tokens = await preparer.run(parse, await read_body(request))
+        out = ResponseStream(cfg.model_id, req, store)
+        job, got, done = await run(request, opts, ids, max_tokens)
+        if done is None:
+            return event_stream(_response_events(job, got, out, answer))
+        for d in got:
+            out.feed(answer.feed(d.text, d.tokens))
+        out.feed(answer.finish())
+        out.finish(done, answer.reasoning_tokens)
+        return JSONResponse(out.response())
 
     async def chat_completions(request: Request):
         return await completions(request, chat=True)
@@ -237,6 +289,7 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
     routes = [
         Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
         Route("/v1/completions", guarded(text_completions), methods=["POST"]),
+        Route("/v1/responses", guarded(responses), methods=["POST"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/v1/models/{name:path}", guarded(model), methods=["GET"]),
         Route("/metrics", guarded(metrics), methods=["GET"]),

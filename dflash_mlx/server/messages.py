@@ -19,7 +19,8 @@ SERVER_KWARGS = ("messages", "conversation", "add_generation_prompt", "tokenize"
                  "continue_final_message", "return_tensors", "padding", "truncation",
                  "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask")
 ROLES = ("system", "user", "assistant", "developer", "tool")
-TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
+# kept as they came: tool history, and the thinking of an earlier turn (templates that show it)
+KEPT_KEYS = ("tool_calls", "tool_call_id", "name", "reasoning_content")
 
 
 @dataclass
@@ -59,7 +60,7 @@ def chat_messages(body: dict) -> list[dict]:
                            "messages")
         role = "system" if m["role"] == "developer" else m["role"]
         msg = {"role": role, "content": _content(m.get("content"), i)}
-        for name in TOOL_KEYS:
+        for name in KEPT_KEYS:
             if m.get(name) is not None:
                 msg[name] = m[name]
         if msg.get("name") is not None and not isinstance(msg["name"], str):
