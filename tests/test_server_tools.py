@@ -11,8 +11,8 @@ import json
 import pytest
 
 from support import server as ss
-from support.scripted import (ANSWER, CALL, THINK_THEN_ANSWER, THINK_THEN_CALL, THOUGHT,
-                              WEATHER_TOOL, make_scripted_pair)
+from support.scripted import (ANSWER, CALL, FORCED_CALL, THINK_THEN_ANSWER, THINK_THEN_CALL,
+                              THOUGHT, WEATHER_TOOL, make_scripted_pair)
 
 openai = pytest.importorskip("openai")
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -133,7 +133,7 @@ def test_thinking_off_is_honoured(answerer):
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function",
                                                "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [WEATHER_TOOL], "tool_choice": "sometimes"}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools to require
     ({"tools": [WEATHER_TOOL] * 2}, "tools"),
     ({"tools": [WEATHER_TOOL], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"messages": ASK + [{"role": "tool", "content": "x"}]}, "messages"),
@@ -247,3 +247,63 @@ def test_responses_length_is_incomplete_and_refusals_name_the_field(answerer):
 def _flat(tool: dict) -> dict:
     """A chat tool in the Responses API's flat shape."""
     return {"type": "function", **tool["function"]}
+
+
+# -- tool_choice required / a named function: a grammar over the call format ---------------
+
+@pytest.fixture(scope="module")
+def chatter(tmp_path_factory):
+    """A server whose target answers in text, unless a grammar forces its tool-call chain."""
+    root = tmp_path_factory.mktemp("chatter")
+    s = _serve(make_scripted_pair(root, [ANSWER], chains=[FORCED_CALL]), root / "server.log")
+    yield s
+    assert s.stop() in (0, 130)
+
+
+OTHER_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize("choice", [
+    "required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_tool_choice_makes_the_answer_a_call(chatter, choice):
+    client = _client(chatter)
+    auto = client.chat.completions.create(model=_model(chatter), messages=ASK, max_tokens=32,
+                                          tools=[OTHER_TOOL, WEATHER_TOOL])
+    assert auto.choices[0].message.content == ANSWER  # what the model says unforced
+    for stream in (False, True):
+        r = client.chat.completions.create(model=_model(chatter), messages=ASK, max_tokens=48,
+                                           tools=[OTHER_TOOL, WEATHER_TOOL], tool_choice=choice,
+                                           stream=stream)
+        if stream:
+            parts = list(r)
+            finish = [c.choices[0].finish_reason for c in parts if c.choices][-1]
+            names = [tc.function.name for c in parts if c.choices
+                     for tc in c.choices[0].delta.tool_calls or [] if tc.function.name]
+            args = "".join(tc.function.arguments or "" for c in parts if c.choices
+                           for tc in c.choices[0].delta.tool_calls or [])
+        else:
+            finish = r.choices[0].finish_reason
+            names = [c.function.name for c in r.choices[0].message.tool_calls]
+            args = r.choices[0].message.tool_calls[0].function.arguments
+        assert finish == "tool_calls" and names == ["get_weather"]
+        assert json.loads(args) == json.loads(CALL)["arguments"]
+
+
+def test_a_named_tool_the_model_would_not_pick_is_still_the_one_written(chatter):
+    """Off its script the model writes no sensible arguments (its string never ends), so the
+    call is cut by max_tokens and comes back as content; the grammar still made it get_time."""
+    r = _client(chatter).chat.completions.create(
+        model=_model(chatter), messages=ASK, max_tokens=24, tools=[OTHER_TOOL, WEATHER_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
+    text = r.choices[0].message.content.replace(" ", "")
+    assert text.startswith('<tool_call>{"name":"get_time",') or \
+        text.startswith('<tool_call>{"arguments":{'), text
+
+
+def test_forced_tool_choice_and_response_format_together_are_a_400(chatter):
+    status, out = chatter.post("/v1/chat/completions", {
+        "messages": ASK, "tools": [WEATHER_TOOL], "tool_choice": "required",
+        "response_format": {"type": "json_object"}, "max_tokens": 4})
+    assert status == 400 and out["error"]["param"] == "tool_choice"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import replace
 import hmac
 import os
 import queue
@@ -183,6 +184,11 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
         if chat:
             prompt = chat_prompt(pair, body, cfg)
             ids, answer = prompt.ids, Answer(pair.tokenizer, prompt.ids, prompt.tools)
+            if prompt.constraint is not None:  # a forced tool choice
+                if opts["sampling"].constraint is not None:
+                    raise APIError(400, "tool_choice required or a named function cannot be "
+                                   "combined with response_format", "tool_choice")
+                opts["sampling"] = replace(opts["sampling"], constraint=prompt.constraint)
         else:
             ids, answer = prompt_ids(pair, body), None
         return opts, ids, answer, completion_limit(

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from ..chat import apply_template
 from ..errors import InvalidArgumentError
 from .request import APIError, ServerConfig, check_context
+from ..speculate.grammar import Constraint
+from .tool_choice import UnsupportedFormat, forced_calls
 from .tools import ToolError, ToolRequest, check_tools, normalize_history
 
 MAX_TEMPLATE = 64 * 1024
@@ -27,6 +29,7 @@ KEPT_KEYS = ("tool_calls", "tool_call_id", "name", "reasoning_content")
 class ChatPrompt:
     ids: list[int]
     tools: ToolRequest  # what to parse out of the answer
+    constraint: Constraint | None = None  # a forced tool choice's grammar
 
 
 def _content(content, i: int) -> str:
@@ -126,10 +129,6 @@ def chat_prompt(pair, body: dict, cfg: ServerConfig) -> ChatPrompt:
             raise APIError(400, f"the model '{cfg.model_id}' has no tool-call format this server "
                            "can parse (its chat template does not write tool calls mlx-lm "
                            "knows); send the request without 'tools'", "tools")
-        if tools.choice not in ("auto", "none"):
-            which = "required" if tools.choice == "required" else "a named function"
-            raise APIError(400, f"tool_choice {which} cannot be enforced for this model yet; "
-                           "use 'auto'", "tool_choice")
         kwargs["tools"] = tools.template_tools
     try:
         ids = apply_template(pair.tokenizer, messages, kwargs=kwargs)
@@ -137,4 +136,11 @@ def chat_prompt(pair, body: dict, cfg: ServerConfig) -> ChatPrompt:
         raise APIError(400, str(e), "messages") from None
     except Exception as e:  # a template that rejects these messages or kwargs
         raise APIError(400, f"the chat template failed: {e}", "messages") from None
-    return ChatPrompt(check_context(pair, ids, "messages"), tools)
+    ids = check_context(pair, ids, "messages")
+    try:
+        constraint = forced_calls(pair.tokenizer, tools, ids)
+    except UnsupportedFormat as e:
+        which = "required" if tools.choice == "required" else "naming a function"
+        raise APIError(400, f"tool_choice {which} cannot be enforced for this model's tool-call "
+                       f"format ({e}) yet; use 'auto'", "tool_choice") from None
+    return ChatPrompt(ids, tools, constraint)

@@ -25,6 +25,8 @@ THOUGHT = "The user wants the weather, so I call the tool."
 ANSWER = "It is sunny in Paris."
 # thinking, then a tool call (the agent's first step)
 THINK_THEN_CALL = ["<think>", THOUGHT, "</think>", "<tool_call>", CALL, "</tool_call>"]
+# an answer in text; a forced tool choice puts the answer on the call's chain
+FORCED_CALL = ["<tool_call>", CALL, "</tool_call>"]
 # thinking, then an answer (after the tool result)
 THINK_THEN_ANSWER = ["<think>", THOUGHT, "</think>", ANSWER]
 WEATHER_TOOL = {"type": "function", "function": {
@@ -35,21 +37,25 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 
 def make_scripted_pair(folder: Path, script: list[str], calls: str = "hermes",
-                       open_think: bool = False) -> tuple[str, str]:
-    """(target folder, draft folder) of a target that answers `script` then <|im_end|>."""
+                       open_think: bool = False, chains: list[list[str]] = ()) -> tuple[str, str]:
+    """(target folder, draft folder) of a target that answers `script` then <|im_end|>.
+    `chains`: more successions (each token followed by the next, the last by <|im_end|>), for
+    a grammar that forces the answer onto one of them."""
     folder = Path(folder)
     target, draft = folder / "target", folder / "draft"
     target.mkdir(parents=True, exist_ok=True)
     write_toolchat(target, calls=calls, open_think=open_think)
-    _add_tokens(target, [t for t in script if t not in _known(target)])
+    words = [t for c in [script, *chains] for t in c]
+    _add_tokens(target, [t for t in dict.fromkeys(words) if t not in _known(target)])
     vocab = _vocab(target)
     hidden = -(-len(vocab) // 16) * 16
     ids = [vocab["Ċ"]] + [vocab[t] for t in script] + [tiny.EOS_ID]  # "Ċ": the byte "\n"
     cfg = tiny.target_config(hidden_size=hidden, vocab_size=hidden, tie_word_embeddings=False,
                              num_hidden_layers=6, intermediate_size=32)
     successor = np.full(hidden, tiny.EOS_ID)
-    for a, b in zip(ids, ids[1:]):
-        successor[a] = b
+    for chain in [ids, *([vocab[t] for t in c] + [tiny.EOS_ID] for c in chains)]:
+        for a, b in zip(chain, chain[1:]):
+            successor[a] = b
     head = np.zeros((hidden, hidden), np.float32)
     head[successor, np.arange(hidden)] = 1.0
     weights = {"model.embed_tokens.weight": np.eye(hidden, dtype=np.float32),
