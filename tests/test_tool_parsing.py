@@ -262,3 +262,10 @@ def test_bad_history(i, change, words):
     with pytest.raises(ToolError) as e:
         normalize_history(msgs)
     assert e.value.param == "messages" and words in str(e.value)
+
+
+def test_null_description_and_parameters_are_left_out():
+    """`llm` sends description null for a function without a docstring (OpenAI accepts it)."""
+    req = check_tools({"tools": [{"type": "function", "function": {
+        "name": "f", "description": None, "parameters": None}}]})
+    assert req.tools == [{"type": "function", "function": {"name": "f"}}]

@@ -110,6 +110,9 @@ def check_tools(body: dict) -> ToolRequest:
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise ToolError("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+    # null description/parameters (as some clients send) are left out: templates print them
+    tools = [{**t, "function": {k: v for k, v in t["function"].items() if v is not None}}
+             for t in tools or []]
     return ToolRequest(tools or None, choice, parallel)
 
 
@@ -123,10 +126,10 @@ def _check_tool(tool, i: int) -> None:
     if not isinstance(name, str) or not name or len(name) > 64:
         raise ToolError(f"tools[{i}].function.name must be a string of 1 to 64 characters",
                         "tools")
-    if "parameters" in fn and not isinstance(fn["parameters"], dict):
+    if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
         raise ToolError(f"tools[{i}].function.parameters must be a JSON schema object",
                         "tools")
-    if "description" in fn and not isinstance(fn["description"], str):
+    if fn.get("description") is not None and not isinstance(fn["description"], str):
         raise ToolError(f"tools[{i}].function.description must be a string", "tools")
 
 
