@@ -164,7 +164,7 @@ def test_settings_translate_to_chat_fields():
     ({"prompt": {"id": "pmpt_1"}}, "prompt", "prompt"),
     ({"frobnicate": 1}, "frobnicate", "frobnicate"),
     ({"truncation": "auto"}, "truncation", "truncation"),
-    ({"include": ["reasoning.encrypted_content"]}, "include", "reasoning.encrypted_content"),
+    ({"include": ["message.output_text.logprobs"]}, "include", "logprobs"),
     ({"include": ["message.output_text.logprobs"]}, "include", "logprobs"),
     ({"reasoning": {"summary": "detailed"}}, "reasoning", "detailed"),
     ({"reasoning": {"effort": "huge"}}, "reasoning", "effort"),
@@ -416,3 +416,32 @@ def test_official_client_plain_and_streamed():
                                      input=[{"type": "function_call_output",
                                              "call_id": "call_1", "output": "cold"}])
     assert follow.previous_response_id == final.id
+
+
+def test_sealed_reasoning_round_trips_for_clients_that_store_nothing():
+    """Codex CLI sends store: false and include reasoning.encrypted_content, then the reasoning
+    item back: its blob must give the same reasoning text to the next prompt."""
+    from dflash_mlx.server.response_events import ResponseStream
+    from dflash_mlx.server.reasoning import ContentDelta, ReasoningDelta
+    from dflash_mlx.server.responses import ResponseStore, parse
+    from dflash_mlx.server.worker import Done
+
+    store = ResponseStore()
+    req = parse({"input": "hi", "store": False, "include": ["reasoning.encrypted_content"]},
+                store)
+    out = ResponseStream("m", req, store)
+    out.feed([ReasoningDelta("Let me think: ünïcode."), ContentDelta("Hello.")])
+    out.finish(Done("stop", 3, 0, 5, {}))
+    items = out.response()["output"]
+    assert items[0]["type"] == "reasoning" and items[0]["encrypted_content"]
+    assert len(store) == 0
+    follow = parse({"input": [{"role": "user", "content": "hi"}, items[0], items[1],
+                              {"role": "user", "content": "and?"}]}, store)
+    assistant = follow.chat["messages"][1]
+    assert assistant["reasoning_content"] == "Let me think: ünïcode."
+    assert assistant["content"] == "Hello."
+    plain = parse({"input": "hi"}, store)  # without include: no blob
+    out = ResponseStream("m", plain, None)
+    out.feed([ReasoningDelta("x")])
+    out.finish(Done("stop", 3, 0, 1, {}))
+    assert "encrypted_content" not in out.response()["output"][0]

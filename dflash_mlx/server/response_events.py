@@ -20,7 +20,7 @@ import secrets
 import time
 
 from .reasoning import ContentDelta, ReasoningDelta
-from .responses import ResponsesRequest, ResponseStore
+from .responses import ResponsesRequest, ResponseStore, seal
 from .tools import ToolCallArgs, ToolCallStarted
 from .worker import Done
 
@@ -139,6 +139,8 @@ class ResponseStream:
                                    **where))
         # a call is whole when it is parsed: only text can be cut by max_output_tokens
         item["status"] = "completed" if item["type"] == "function_call" else status
+        if item["type"] == "reasoning" and self.request.sealed:
+            item["encrypted_content"] = seal(item["content"][0]["text"])
         out.append(self._event("response.output_item.done", item=copy.deepcopy(item),
                                output_index=where["output_index"]))
         self.open = None

@@ -16,6 +16,8 @@ background runs, unknown items or fields) is a 400 naming it, never silently ign
 
 from __future__ import annotations
 
+import base64
+
 import json
 import threading
 from collections import OrderedDict
@@ -28,6 +30,8 @@ from .tools import ToolError, check_tools
 
 STORE_SIZE = 256  # responses kept for previous_response_id
 STORE_CHARS = 64 * 2**20  # and at most this much conversation text (JSON characters) in all
+ENCRYPTED = "reasoning.encrypted_content"
+SEALED = "dflash-plain:"
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
@@ -49,6 +53,7 @@ FIELDS = {
     "truncation": _off("disabled"),  # "auto" would drop input to fit the context
     "background": _off(False),
     "safety_identifier": _any, "prompt_cache_key": _any,  # prompts are cached anyway
+    "client_metadata": _any,  # Codex CLI's session and turn ids
     "stream_options": _any,  # include_obfuscation: no padding field is ever added
     "service_tier": _off("auto", "default"),
     "top_logprobs": _off(0),
@@ -73,6 +78,7 @@ class ResponsesRequest:
     chat: dict  # the same request as a chat-completions body, for the chat pipeline
     history: list  # chat messages before the answer, instructions left out: what is stored
     store: bool
+    sealed: bool = False  # reasoning items carry encrypted_content (include asked for it)
 
 
 def _bad(message: str, param: str) -> APIError:
@@ -89,7 +95,7 @@ def parse(body: dict, store: ResponseStore) -> ResponsesRequest:
         if test is not None and value is not None and not test(value):
             raise _bad(f"'{name}' is not supported by this server (only its default is "
                        "accepted)", name)
-    _check_include(body.get("include"))
+    sealed = _check_include(body.get("include"))
     saved = body.get("store", True)
     saved = True if saved is None else saved
     if not isinstance(saved, bool):
@@ -125,7 +131,7 @@ def parse(body: dict, store: ResponseStore) -> ResponsesRequest:
         check_tools(chat)
     except ToolError as e:
         raise _bad(str(e).replace(".function.", "."), e.param) from None
-    return ResponsesRequest(body, chat, history, saved)
+    return ResponsesRequest(body, chat, history, saved, sealed)
 
 
 def to_chat(body: dict, store: ResponseStore) -> dict:
@@ -215,10 +221,10 @@ def _message(out: list, item: dict, where: str) -> None:
 
 
 def _reasoning_item(out: list, item: dict, where: str) -> None:
-    if item.get("encrypted_content") is not None:
-        raise _bad(f"{where}.encrypted_content: encrypted reasoning cannot be read by this "
-                   "server (send reasoning as content)", "input")
     parts = item.get("content") or []
+    if item.get("encrypted_content") is not None and not parts:
+        parts = [{"type": "reasoning_text",
+                  "text": unseal(item["encrypted_content"], where)}]
     if not isinstance(parts, list) or not all(
             isinstance(p, dict) and p.get("type") == "reasoning_text" for p in parts):
         raise _bad(f"{where}.content must be a list of reasoning_text parts", "input")
@@ -353,15 +359,34 @@ def _text_format(text) -> dict | None:
     return {"type": "json_schema", "json_schema": spec}
 
 
-def _check_include(include) -> None:
+def _check_include(include) -> bool:
+    """Whether reasoning items carry `encrypted_content` (the only include served)."""
     if include is None:
-        return
+        return False
     if not isinstance(include, list):
         raise _bad("'include' must be a list", "include")
-    if include:  # each asks for something this server does not produce
-        raise _bad(f"include {str(include[0])[:80]!r} is not supported by this server "
-                   "(reasoning comes back as text; nothing is encrypted, no logprobs, no "
-                   "tool outputs)", "include")
+    for name in include:  # each other one asks for something this server does not produce
+        if name != ENCRYPTED:
+            raise _bad(f"include {str(name)[:80]!r} is not supported by this server (no "
+                       "logprobs, no tool outputs)", "include")
+    return bool(include)
+
+
+def seal(text: str) -> str:
+    """A reasoning item's `encrypted_content`: an opaque blob the client sends back with the
+    item (store: false clients such as Codex CLI keep reasoning that way). Nothing here is
+    secret, so it is the text itself, encoded, under a prefix that says so."""
+    return SEALED + base64.b64encode(text.encode("utf-8")).decode("ascii")
+
+
+def unseal(blob: str, where: str) -> str:
+    try:
+        if not blob.startswith(SEALED):
+            raise ValueError
+        return base64.b64decode(blob[len(SEALED):], validate=True).decode("utf-8")
+    except (ValueError, UnicodeDecodeError):
+        raise _bad(f"{where}.encrypted_content was not written by this server",
+                   "input") from None
 
 
 def _check_metadata(metadata) -> None:
