@@ -74,6 +74,9 @@ def _scripted_worker():
         def _generate(self, job):
             return (ev for ev in EVENTS)
 
+        def _cached(self, job):  # no caches to take from the prompt cache
+            return self._run(job)
+
     return Scripted(pair=None, config=None).start()
 
 

@@ -90,6 +90,12 @@ def serve(
         "(e.g. http://localhost:3000), or '*' for any. Default: none.")] = None,
     queue_size: Annotated[int, typer.Option(
         help="Requests that may wait while one generates; beyond that, 503.")] = 64,
+    cache_slots: Annotated[int, typer.Option(
+        help="Conversations whose caches are kept for reuse, least recently used dropped "
+        "first (one under mlx.launch).")] = 4,
+    cache_bytes: Annotated[Optional[str], typer.Option(
+        help="Most memory those caches may hold, e.g. 2G or 512M (default: a quarter of "
+        "what MLX may use here).")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level (info: one line per "
                                            "request).")] = "info",
     allow_client_templates: Annotated[bool, typer.Option(
@@ -120,7 +126,8 @@ def serve(
     server.serve(registry.resolve(model, draft, no_draft), wanted, host=host, port=port,
                  api_key=api_key, model_name=served_model_name, queue_size=queue_size,
                  log_level=log_level, max_tokens=max_tokens, sampling=defaults,
-                 client_templates=allow_client_templates, allowed_origins=allowed_origins)
+                 client_templates=allow_client_templates, allowed_origins=allowed_origins,
+                 cache_slots=cache_slots, cache_bytes=cache_bytes)
 
 
 @app.command("train-draft")

@@ -112,7 +112,7 @@ def remote_benchmark(base_url: str, api_key: str | None, model: str | None, data
 
 
 def check_options(*, host: str, port: int, api_key: str | None, queue_size: int,
-                  log_level: str) -> None:
+                  log_level: str, cache_slots: int = 4, cache_bytes: str | None = None) -> None:
     """`serve`'s own options, checked before anything is loaded."""
     if queue_size < 1:
         raise InvalidArgumentError(f"--queue-size must be at least 1, got {queue_size}")
@@ -125,6 +125,12 @@ def check_options(*, host: str, port: int, api_key: str | None, queue_size: int,
                                    "clients send headers as ASCII)")
     if not 0 <= port <= 65535:
         raise InvalidArgumentError(f"--port must be between 0 and 65535, got {port}")
+    if cache_slots < 1:
+        raise InvalidArgumentError(f"--cache-slots must be at least 1, got {cache_slots}")
+    if cache_bytes is not None:
+        from ..server.prompt_cache import parse_bytes
+
+        parse_bytes(cache_bytes)
 
 
 def model_names(spec, served: str | None, target_path) -> tuple[str, tuple[str, ...]]:
@@ -155,15 +161,17 @@ def parse_origins(value: str | None) -> tuple[str, ...]:
 def serve(spec, settings: engine.EngineSettings, *, host: str, port: int, api_key: str | None,
           model_name: str | None, queue_size: int, log_level: str, max_tokens: int,
           sampling: SamplingParams, client_templates: bool,
-          allowed_origins: str | None = None) -> None:
+          allowed_origins: str | None = None, cache_slots: int = 4,
+          cache_bytes: str | None = None) -> None:
     """`serve`: bind, open the engine, then answer until Ctrl-C. Under mlx.launch rank 0 does
     that while the other ranks follow its generations (`server/follower.py`)."""
     from ..distributed import end_with_launcher, world
     from ..server.app import ServerConfig, bind, serve as run
+    from ..server.prompt_cache import parse_bytes
     from ..server.worker import Worker
 
     check_options(host=host, port=port, api_key=api_key, queue_size=queue_size,
-                  log_level=log_level)
+                  log_level=log_level, cache_slots=cache_slots, cache_bytes=cache_bytes)
     origins = parse_origins(allowed_origins)
     engine.check(settings)
     group = world()
@@ -198,11 +206,13 @@ def serve(spec, settings: engine.EngineSettings, *, host: str, port: int, api_ke
     ranks = "" if group is None else f", target sharded over {group.size()} ranks"
     render.note(f"serving {model_id} ({how}{ranks}) on http://{where}:{bound}/v1"
                 f"{' with an API key' if api_key else ''}; Ctrl-C stops")
+    max_bytes = None if cache_bytes is None else parse_bytes(cache_bytes)
     if group is None:
-        worker = Worker(pair, config, queue_size)
+        worker = Worker(pair, config, queue_size, cache_slots=cache_slots, cache_bytes=max_bytes)
     else:
         from ..server.follower import Leader
 
         end_with_launcher()
-        worker = Leader(pair, config, group, queue_size)
+        worker = Leader(pair, config, group, queue_size)  # one slot: the followers mirror it
+        worker.cache.max_bytes = max_bytes or worker.cache.max_bytes
     run(worker, cfg, sock, log_level)

@@ -281,7 +281,7 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
         ok = worker.alive
         body = {"status": "ok" if ok else "unavailable", "model": cfg.model_id,
                 "running": worker.running, "queued": worker.queued, **worker.counts,
-                "speculation": worker.speculation()}
+                "prompt_cache": worker.cache_info(), "speculation": worker.speculation()}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def http_error(request: Request, exc: HTTPException):

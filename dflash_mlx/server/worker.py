@@ -1,9 +1,10 @@
 """The server's engine side: one worker thread, a bounded queue, stop strings, per-request stats.
 
 The engine is synchronous and single-stream, so every generation runs on one thread in
-arrival order. HTTP handlers submit a `Job` and read its messages from an asyncio queue. A
-job cancelled by its client (disconnect) is closed at the next block boundary: the engine's
-`finally` blocks leave the shared session's caches exact, so the next request reuses them.
+arrival order. HTTP handlers submit a `Job` and read its messages from an asyncio queue. Each
+job runs in the session the prompt cache gives it (the conversation sharing the longest
+prefix). A job cancelled by its client (disconnect) is closed at the next block boundary: the
+engine's `finally` blocks leave that session's caches exact, so the next request reuses them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ..generate import Session, stream_generate
 from ..speculate import SamplingParams, SpeculationConfig
 from ..errors import DFlashError, InvalidArgumentError
 from ..stats import Stats
+from .prompt_cache import DEFAULT_SLOTS, PromptCache
 
 log = logging.getLogger("dflash_mlx.server")
 
@@ -125,16 +127,18 @@ def _finite(lp) -> float:
 
 
 class Worker:
-    """Runs jobs one at a time on a dedicated thread, reusing one session's caches."""
+    """Runs jobs one at a time on a dedicated thread, reusing conversations' caches."""
 
     group = None  # the mlx.distributed group under mlx.launch (`follower.Leader`)
 
-    def __init__(self, pair, config: SpeculationConfig, queue_size: int = 64):
+    def __init__(self, pair, config: SpeculationConfig, queue_size: int = 64, *,
+                 cache_slots: int = DEFAULT_SLOTS, cache_bytes: int | None = None):
         if queue_size < 1:
             raise InvalidArgumentError(f"--queue-size must be at least 1, got {queue_size}")
         self.pair, self.config = pair, config
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
-        self.session = self._new_session()
+        self.cache = PromptCache(pair, self._new_session, cache_slots, cache_bytes)
+        self.session: Session | None = None  # the running job's (`_generate` runs in it)
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
         self.total = Stats()  # every request since start, for /health (guarded by `lock`)
         self.running = False
@@ -153,6 +157,8 @@ class Worker:
                                logprobs=job.logprobs)
 
     def start(self) -> "Worker":
+        if self.group is not None:  # every follower mirrors one session (follower.py)
+            self.cache.slots = 1
         self.thread.start()
         return self
 
@@ -192,6 +198,10 @@ class Worker:
         with self.lock:
             return self.total.as_dict()
 
+    def cache_info(self) -> dict:
+        """The prompt cache: slots and bytes used and allowed, hits, misses, reused tokens."""
+        return self.cache.info()
+
     def submit(self, job: Job) -> None:
         if self.closing:
             raise Busy
@@ -211,20 +221,34 @@ class Worker:
                     final = (Failed(503, "the server is shutting down") if self.closing
                              else Failed(499, "cancelled before it started"))
                 else:
-                    final = self._run(job)
+                    final = self._cached(job)
             except DFlashError as e:
                 self.counts["failed"] += 1
                 final = Failed(400 if isinstance(e, InvalidArgumentError) else 500, str(e))
             except Exception as e:  # never let one request end the worker
                 log.exception("generation failed")
                 self.counts["failed"] += 1
-                self.session = self._new_session()  # start clean rather than trust the caches
                 final = Failed(500, f"generation failed ({type(e).__name__}: {e})")
             finally:
                 with self.lock:
                     self.running, self.current = False, None
             # after `running` is cleared: a client that has its answer sees the worker idle
             job.emit(final)
+
+    def _cached(self, job: Job) -> Done:
+        """`_run` in the session the prompt cache gives the job. A failed job's slot is dropped
+        rather than trusted, unless its request was refused as invalid (the engine checks
+        those before it touches a cache)."""
+        self.session, ok = self.cache.acquire(job.ids), False
+        try:
+            done, ok = self._run(job), True
+            return done
+        except InvalidArgumentError:
+            ok = True
+            raise
+        finally:
+            self.cache.release(self.session, ok)
+            self.session = None
 
     def _token_logprobs(self, ev, eos: set[int], start: int,
                         cut: int | None) -> list[TokenLogprob]:
