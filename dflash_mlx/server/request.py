@@ -242,6 +242,11 @@ def prompt_ids(pair, body: dict) -> list[int]:
         prompt = prompt[0]  # a batch of one
     ok_ids = isinstance(prompt, list) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    if isinstance(prompt, list) and len(prompt) > 1 and all(
+            isinstance(p, (str, list)) for p in prompt):
+        raise APIError(400, f"'prompt' holds {len(prompt)} prompts; this server answers one "
+                       "per request (send them as separate requests: they are queued and "
+                       "answered in turn, each from the prompt cache)", "prompt")
     if not (isinstance(prompt, str) or ok_ids):
         raise APIError(400, "'prompt' must be a string or a list of token ids (one prompt)",
                        "prompt")
