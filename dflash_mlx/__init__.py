@@ -25,6 +25,9 @@ _PUBLIC = {
     "BlockEvent": ".generate",
     "Session": ".generate",
     "stream_generate": ".generate",
+    "Batch": ".batch",
+    "BatchEvent": ".batch",
+    "batch_generate": ".batch",
     "SpeculationConfig": ".speculate",
     "Pair": ".loader",
     "load": ".loader",
@@ -35,6 +38,7 @@ _PUBLIC = {
 __all__ = [*_PUBLIC, "__version__"]
 
 if TYPE_CHECKING:
+    from .batch import Batch, BatchEvent, batch_generate
     from .errors import DFlashError
     from .generate import BlockEvent, Session, stream_generate
     from .models.config import DraftConfig

@@ -52,15 +52,23 @@ def selector_propose(draft, block_ids: mx.array, context: mx.array | None, cache
     `sample_utils.rejection_sample` accepts iff u·q(d) < p(d) and draws the next token from
     max(p − q, 0) renormalised — p minus q on the candidate ids.
     """
+    hidden = draft(block_ids, context, cache)[0, 1:]
+    tokens, q = selector_path(draft, hidden, block_ids[0, :1], params, key)
+    return tokens, q, None
+
+
+def selector_path(draft, hidden: mx.array, anchor: mx.array, params=None,
+                  key: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
+    """The selector's path (γ,) from `anchor` (1,) over slot hidden states `hidden` (γ, H), and
+    its dense q (γ, V) at T>0 (None when greedy): `selector_propose` after the draft pass."""
     temperature = 0.0 if params is None else params.temperature
     selector = draft.candidate_selector
-    hidden = draft(block_ids, context, cache)[0, 1:]
     cand, unary, succ = selector.candidates(hidden, draft.logits(hidden))
-    tokens, q = selector.walk(block_ids[0, :1], cand, unary, succ, temperature, key)
+    tokens, q = selector.walk(anchor, cand, unary, succ, temperature, key)
     if q is None:
-        return tokens[0], None, None
+        return tokens[0], None
     dense = mx.zeros((cand.shape[0], draft.config.vocab_size), dtype=mx.float32)
-    return tokens[0], mx.put_along_axis(dense, cand, q[0], axis=-1), None
+    return tokens[0], mx.put_along_axis(dense, cand, q[0], axis=-1)
 
 
 def slot_hidden(draft, block_ids: mx.array, context: mx.array | None, cache: list) -> mx.array:
@@ -119,13 +127,21 @@ def draft_block(draft, block_ids: mx.array, context: mx.array | None, cache: lis
                                  confidence=lookup or cut > 0)
     if confidence is None:
         return out, q, None
-    ids, confidence = out.tolist(), confidence.tolist()
+    ids, hint = settle_block(out.tolist(), confidence.tolist(), config, tokens)
+    return ids, None, hint
+
+
+def settle_block(ids: list[int], confidence: list[float], config: SpeculationConfig,
+                 tokens: list[int]) -> tuple[mx.array, "Hint | None"]:
+    """A v1 draft's per-slot ids and confidences through the lookup and the cut (`draft_block`
+    after the draft pass): the ids to verify and the lookup's record (None: it did not run)."""
     hint = None
-    if lookup:
+    if config.lookup:
         hint = Hint(tokens)
         ids, confidence, hint.start = merge(ids, confidence, hint.context)
+    cut = config.min_confidence
     keep = joint_keep(confidence, cut) if cut > 0 else len(ids)
-    return mx.array(ids[:keep], dtype=mx.int32), None, hint
+    return mx.array(ids[:keep], dtype=mx.int32), hint
 
 
 def slot_candidates(draft, block_ids: mx.array, context: mx.array | None, cache: list,

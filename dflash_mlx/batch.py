@@ -1,0 +1,277 @@
+"""Many sequences at once: `Batch` (join, step, leave) and `batch_generate` on top of it.
+
+A `Batch` runs one speculative round for all its running sequences per `step()`: one draft pass
+and one target verify pass over every row (`speculate/batch_round.py`), each sequence accepting
+its own number of tokens. Sequences join between steps (`add`: their own prefill, then their
+caches are copied into the batch's) and leave when they finish or are cancelled, so a server can
+schedule requests at round boundaries. Each sequence's events are what `stream_generate` would
+yield for it (`BatchEvent` is a `BlockEvent` plus the sequence's index), and its output is
+exactly the target's: greedy output equals its own single-sequence run, sampling follows the
+target's distribution.
+
+Targets whose caches are all plain KV caches run batched. Sliding-window (rotating) and
+GatedDeltaNet targets keep one cache per sequence (their exact rollbacks are per sequence) and
+run their sequences one after another inside each step: same API, same events, no batching;
+`Batch.serial` says why. Draft trees and grammars are refused here for now.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.generate import wired_limit
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+from .errors import InvalidArgumentError
+from .generate import (
+    BlockEvent,
+    Session,
+    _Budget,
+    _event,
+    _keys,
+    _settle,
+    _text,
+    prefill,
+)
+from .inputs import encode_prompt
+from .speculate import SamplingParams, SpeculationConfig, guards
+from .speculate.batch_cache import RaggedKVCache, filter_rows
+from .speculate.batch_draft import make_draft_caches
+from .speculate.batch_round import Row, batch_round
+from .speculate.rounds import Request, path_round
+from .speculate.sampling import check_max_tokens
+
+
+@dataclass
+class BatchEvent(BlockEvent):
+    """A `BlockEvent` of one sequence of a batch."""
+
+    index: int = -1  # the sequence, as `Batch.add` numbered it
+
+
+def serial_reason(pair) -> str | None:
+    """Why `pair`'s sequences cannot share one target pass (None: they can)."""
+    kinds = set(pair.target.cache_types)
+    if kinds <= {KVCache}:
+        return None
+    if RotatingKVCache in kinds:
+        return ("sliding-window (rotating) caches roll back per sequence; "
+                "its sequences run one after another")
+    if ArraysCache in kinds:
+        return ("GatedDeltaNet (recurrent) caches roll back per sequence; "
+                "its sequences run one after another")
+    names = ", ".join(sorted(k.__name__ for k in kinds - {KVCache}))
+    return f"{names} caches are not batched; its sequences run one after another"
+
+
+@dataclass
+class _Seq:
+    """One running sequence: what it asks, how far it is, and its cache state."""
+
+    index: int
+    req: Request
+    budget: _Budget
+    key: mx.array
+    detok: object
+    block: int  # its widest verify (1 once the acceptance watch gives up on the draft)
+    watch: guards.AcceptanceWatch | None
+    prompt: tuple[int, int, float]  # (prefilled, reused, seconds)
+    row: Row | None = None  # batched: tokens and pending taps (the caches are the batch's)
+    session: Session | None = None  # serial: its own caches
+    widths: tuple | None = None  # serial: this round's (width, (draft key, verify key))
+    note: str | None = None
+    limit_note: str | None = None  # said when it stops at the model's context
+
+
+class Batch:
+    """Sequences decoded together, one speculative round per `step()`.
+
+    Args:
+        pair: a loaded `Pair`.
+        config: how to speculate, shared by every sequence (None: `SpeculationConfig.for_pair`).
+            block_size 1 is batched plain decoding. Trees are refused.
+    """
+
+    def __init__(self, pair, config: SpeculationConfig | None = None):
+        config = config or SpeculationConfig.for_pair(pair)
+        if config.tree and config.block_size > 1:
+            raise InvalidArgumentError("draft trees (--tree) are not available in a batch yet")
+        self.pair, self.config = pair, config
+        self.serial = serial_reason(pair)  # None: one target pass for all sequences
+        self._seqs: list[_Seq] = []
+        self._count = 0
+        self.target_cache = self.draft_cache = None
+        if self.serial is None:
+            self.target_cache = [RaggedKVCache() for _ in pair.target.cache_types]
+            if pair.draft is not None and config.block_size > 1 and not config.draft_free:
+                self.draft_cache = make_draft_caches(pair.draft, config.draft_window)
+
+    @property
+    def running(self) -> list[int]:
+        """Indices of the sequences still generating, in row order."""
+        return [s.index for s in self._seqs]
+
+    def add(self, prompt: str | list[int], *, sampling: SamplingParams | None = None,
+            max_tokens: int = 256, logprobs: int | None = None,
+            session: Session | None = None) -> int:
+        """Prefill `prompt` now; it joins the next `step()`. Returns its index.
+
+        `session`: caches to start from (only what the prompt adds to them is prefilled). A
+        batched target copies them, so the session stays at the prompt; a serial one decodes
+        in them, as `stream_generate` does.
+        """
+        pair, config = self.pair, self.config
+        params = sampling or SamplingParams()
+        if params.constraint is not None:
+            raise InvalidArgumentError("structured output (grammars) is not available in a batch yet")
+        session, lookup_only = _settle(pair, config, session, params)
+        ids = encode_prompt(pair, prompt)
+        budget = _Budget(set(getattr(pair.tokenizer, "eos_token_ids", None) or []),
+                         check_max_tokens(max_tokens))
+        limit = pair.target.context_length
+        limit_note = None
+        if limit and len(ids) + max_tokens > limit:  # never decode past the model's context
+            budget.max_tokens = limit - len(ids)
+            limit_note = f"stopped at the model's context ({limit} tokens)"
+        seed = params.seed if params.seed is not None else random.getrandbits(32)
+        block = config.block_size
+        watch = (guards.AcceptanceWatch(config.fallback_after)
+                 if block > 1 and config.fallback_after else None)
+        tic = time.perf_counter()
+        n_prompt, n_reused = prefill(pair, session, ids)
+        seq = _Seq(self._count, Request(params, budget.cut, lookup_only, logprobs), budget,
+                   mx.random.key(seed), pair.tokenizer.detokenizer, block, watch,
+                   (n_prompt, n_reused, 0.0), limit_note=limit_note)
+        if self.serial is None:
+            self._join(seq, session)
+        else:
+            seq.session = session
+        seq.prompt = (n_prompt, n_reused, time.perf_counter() - tic)
+        self._seqs.append(seq)
+        self._count += 1
+        return seq.index
+
+    def _join(self, seq: _Seq, session: Session):
+        """Copy a prefilled single-sequence session into the batch's caches as a new row."""
+        rows = list(range(len(self._seqs)))
+        try:
+            if self.draft_cache is not None:
+                # the draft takes the prompt's last taps now, as its first pass would have
+                self.pair.draft.absorb_context(session.pending, session.draft_cache)
+                session.pending = None
+                for batch, own in zip(self.draft_cache, session.draft_cache):
+                    batch.add(own)
+            for batch, own in zip(self.target_cache, session.target_cache):
+                batch.add(own)
+            mx.eval([c.state for c in self.target_cache + (self.draft_cache or [])])
+        except BaseException:  # half joined: the running rows stay as they were
+            for caches in (self.target_cache, self.draft_cache or []):
+                for c in caches:
+                    if c.batch_size > len(rows):
+                        c.filter(rows)
+            raise
+        seq.row = Row(list(session.tokens), session.pending, seq.req)
+
+    def cancel(self, index: int) -> bool:
+        """Drop a sequence between steps (False: it is not running); the others go on exactly."""
+        rows = [i for i, s in enumerate(self._seqs) if s.index == index]
+        if not rows:
+            return False
+        self._leave(set(rows))
+        return True
+
+    def _leave(self, rows: set[int]):
+        keep = [i for i in range(len(self._seqs)) if i not in rows]
+        self._seqs = [self._seqs[i] for i in keep]
+        filter_rows(self.target_cache, keep)
+        filter_rows(self.draft_cache, keep)
+
+    def step(self) -> list[BatchEvent]:
+        """One round for every running sequence: one event each; finished ones leave."""
+        if not self._seqs:
+            return []
+        for s in self._seqs:
+            width = min(s.block, s.budget.max_tokens - s.budget.produced)
+            drafts = width > 1 and not s.req.lookup_only
+            s.key, dkey, vkey = _keys(s.key, s.req.params, drafts)
+            if s.row is not None:
+                s.row.width, s.row.dkey, s.row.vkey = width, dkey, vkey
+            else:
+                s.widths = (width, (dkey, vkey))
+        if self.serial is None:
+            rounds = batch_round(self.pair, self.config, [s.row for s in self._seqs],
+                                 self.target_cache, self.draft_cache)
+        else:  # one sequence after another, each with its own caches
+            rounds = [path_round(self.pair, s.session, self.config, s.widths[0], s.req, s.widths[1])
+                      for s in self._seqs]
+        events, done = [], set()
+        for i, (s, rnd) in enumerate(zip(self._seqs, rounds)):
+            events.append(self._event(s, rnd))
+            if rnd.finish is not None:
+                done.add(i)
+        if done:
+            self._leave(done)
+        return events
+
+    def _event(self, s: _Seq, rnd) -> BatchEvent:
+        s.budget.produced += len(rnd.tokens)
+        note, s.note = s.note, None
+        if rnd.finish == "length" and s.limit_note:
+            note = s.limit_note
+        if s.watch is not None and s.watch.feed(len(rnd.drafted), rnd.accepted):
+            s.block, s.watch, note = 1, None, s.watch.note  # the rest is plain decoding
+        text = _text(s.detok, rnd.tokens, rnd.finish, s.budget.eos)
+        ev = _event(rnd, text, *s.prompt, s.budget.produced, note)
+        return BatchEvent(**vars(ev), index=s.index)
+
+    def tokens(self, index: int) -> list[int]:
+        """A running sequence's tokens so far (prompt included)."""
+        s = next(s for s in self._seqs if s.index == index)
+        return list(s.row.tokens if s.row is not None else s.session.tokens)
+
+    def close(self):
+        """Drop every sequence and free the caches."""
+        self._leave(set(range(len(self._seqs))))
+
+
+def batch_generate(
+    pair,
+    prompts: Sequence[str | list[int]],
+    config: SpeculationConfig | None = None,
+    sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    *,
+    max_tokens: int | Sequence[int] = 256,
+    logprobs: int | None = None,
+) -> Iterator[BatchEvent]:
+    """Generate for every prompt together; yields each sequence's events as its rounds finish.
+
+    Args:
+        pair: a loaded `Pair`.
+        prompts: texts (tokenized as is) or token ids, one per sequence.
+        config: how to speculate (None: this device's defaults for the pair).
+        sampling: one `SamplingParams` for all, or one per prompt (None: greedy).
+        max_tokens: one limit for all, or one per prompt.
+        logprobs: as in `stream_generate`.
+
+    Yields:
+        `BatchEvent`s; `event.index` is the prompt's position in `prompts`, and each
+        sequence's last event carries its `finish_reason`.
+    """
+    n = len(prompts)
+    params = list(sampling) if isinstance(sampling, Sequence) else [sampling] * n
+    limits = list(max_tokens) if isinstance(max_tokens, Sequence) else [max_tokens] * n
+    if len(params) != n or len(limits) != n:
+        raise InvalidArgumentError("give one sampling setting and one max_tokens per prompt")
+    batch = Batch(pair, config)
+    try:
+        with wired_limit(pair.target.model):
+            for p, s, m in zip(prompts, params, limits):
+                batch.add(p, sampling=s, max_tokens=m, logprobs=logprobs)
+            while batch.running:
+                yield from batch.step()
+    finally:
+        batch.close()

@@ -1,0 +1,277 @@
+"""Caches of a batch of sequences whose lengths differ and move by different amounts each round.
+
+mlx-lm's `BatchKVCache` keeps its rows left-padded with a per-row `offset` (each row's RoPE
+position) but one write index for all rows, so every row grows by the same amount. A batched
+verify pass accepts a different number of tokens per sequence: with one write index the rejected
+rows would stay behind as holes. Here each row also has its own end: left padding as in
+`BatchKVCache` (a row starts at `left[b]`), ragged ends (it stops at `end[b]`). A pass of W
+tokens writes row b's keys at `end[b] .. end[b] + W` (a scatter, not a copy of the history) and
+rolling a row back is only moving its end: whatever lies past it is masked out and overwritten
+by the next pass. So after every round each row holds exactly its sequence's tokens, at the
+positions a fresh prefill would give them.
+
+`RaggedKVCache` serves one layer of a standard-attention target (mlx-lm models call
+`update_and_fetch`, `make_mask` and read `offset`); `RaggedContextCache` holds one draft layer's
+context rows, at absolute positions, as the draft's single-sequence `ContextCache` does.
+Sequences join with `add` (their own prefill, then a copy) and leave with `filter`.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class _Rows:
+    """A (B, H, capacity, D) key/value buffer pair with per-row `left` and `end` indices."""
+
+    step = 256
+
+    def __init__(self):
+        self.keys = self.values = None
+        self.left: list[int] = []  # buffer index of each row's first valid entry
+        self.end: list[int] = []  # buffer index after each row's last valid entry
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.end)
+
+    @property
+    def state(self):
+        return () if self.keys is None else (self.keys, self.values)
+
+    def _reserve(self, n: int, like_k: mx.array, like_v: mx.array):
+        """Room for `n` entries after every row's end; rows before the common left edge go."""
+        need = max(self.end) + n
+        if self.keys is not None and need <= self.keys.shape[2]:
+            return
+        cut = min(self.left)
+        cap = ((need - cut + self.step - 1) // self.step + 1) * self.step
+        B, H, _, dk = like_k.shape
+        k = mx.zeros((B, H, cap, dk), like_k.dtype)
+        v = mx.zeros((B, H, cap, like_v.shape[3]), like_v.dtype)
+        if self.keys is not None:
+            used = max(self.end) - cut
+            k[..., :used, :] = self.keys[..., cut: cut + used, :]
+            v[..., :used, :] = self.values[..., cut: cut + used, :]
+        self.keys, self.values = k, v
+        self.left = [x - cut for x in self.left]
+        self.end = [x - cut for x in self.end]
+
+    def _scatter(self, k: mx.array, v: mx.array):
+        """Write (B, H, n, D) at each row's end (the ends do not move)."""
+        self._reserve(k.shape[2], k, v)
+        B, H, n, _ = k.shape
+        cols = (mx.array(self.end)[:, None] + mx.arange(n)[None])[:, None, :]
+        rows, heads = mx.arange(B)[:, None, None], mx.arange(H)[None, :, None]
+        self.keys[rows, heads, cols] = k
+        self.values[rows, heads, cols] = v
+
+    def filter(self, keep: list[int]):
+        """Keep only these rows (in this order)."""
+        if not keep:
+            self.keys = self.values = None
+            self.left, self.end = [], []
+            return
+        if self.keys is not None:
+            idx = mx.array(keep)
+            self.keys, self.values = self.keys[idx], self.values[idx]
+        self.left = [self.left[i] for i in keep]
+        self.end = [self.end[i] for i in keep]
+
+    def _add(self, k: mx.array | None, v: mx.array | None, n: int):
+        """One more row holding `n` entries `k`/`v` (1, H, n, D), ending where the longest
+        row ends (all rows shift right when it is longer than every row)."""
+        if self.batch_size == 0:
+            self.left, self.end, self.keys, self.values = [0], [n], None, None
+            if n:
+                self.keys, self.values = mx.contiguous(k), mx.contiguous(v)
+            return
+        top = max(self.end)
+        shift = max(n - top, 0)
+        if shift and self.keys is not None:
+            pad = [(0, 0), (0, 0), (shift, 0), (0, 0)]
+            self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
+        self.left = [x + shift for x in self.left]
+        self.end = [x + shift for x in self.end]
+        end = top + shift
+        like_k = self.keys if self.keys is not None else k
+        like_v = self.values if self.values is not None else v
+        if like_k is None:  # nothing stored anywhere yet
+            self.left.append(end - n)
+            self.end.append(end)
+            return
+        cap = self.keys.shape[2] if self.keys is not None else end
+        H, dk, dv = like_k.shape[1], like_k.shape[3], like_v.shape[3]
+        row_k = mx.zeros((1, H, cap, dk), like_k.dtype)
+        row_v = mx.zeros((1, H, cap, dv), like_v.dtype)
+        if n:
+            row_k[..., end - n: end, :] = k
+            row_v[..., end - n: end, :] = v
+        if self.keys is None:  # rows so far are empty: give them zero buffers too
+            B = self.batch_size
+            self.keys = mx.zeros((B, H, cap, dk), like_k.dtype)
+            self.values = mx.zeros((B, H, cap, dv), like_v.dtype)
+        self.keys = mx.concatenate([self.keys, row_k])
+        self.values = mx.concatenate([self.values, row_v])
+        self.left.append(end - n)
+        self.end.append(end)
+
+    def rows(self, b: int) -> tuple[mx.array, mx.array] | tuple[None, None]:
+        """Row b's valid entries (1, H, n, D), oldest first."""
+        if self.keys is None or self.end[b] == self.left[b]:
+            return None, None
+        lo, hi = self.left[b], self.end[b]
+        return self.keys[b: b + 1, :, lo:hi], self.values[b: b + 1, :, lo:hi]
+
+
+class RaggedKVCache(_Rows):
+    """One target layer's K/V for a batch: left-padded rows with per-row ends.
+
+    Between calls each row holds exactly its sequence's tokens; `offset` is each row's length
+    (its next RoPE position), an array as in `BatchKVCache`.
+    """
+
+    @property
+    def offset(self) -> mx.array:
+        return mx.array([e - l for l, e in zip(self.left, self.end)])
+
+    def lengths(self) -> list[int]:
+        return [e - l for l, e in zip(self.left, self.end)]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self._scatter(keys, values)
+        n = keys.shape[2]
+        self.end = [e + n for e in self.end]
+        top = max(self.end)
+        return self.keys[..., :top, :], self.values[..., :top, :]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
+        """(B, 1, N, S): query t of row b sees its own entries up to itself."""
+        if window_size is not None:
+            raise ValueError("RaggedKVCache has no sliding window")
+        S = max(self.end) + N
+        j = mx.arange(S)[None, None, None, :]
+        left = mx.array(self.left)[:, None, None, None]
+        upto = (mx.array(self.end)[:, None] + mx.arange(N)[None])[:, None, :, None]
+        return (j >= left) & (j <= upto)
+
+    def set_lengths(self, lengths: list[int]):
+        """Row b keeps its first `lengths[b]` tokens (rollback: the rest is masked, then
+        overwritten)."""
+        for b, n in enumerate(lengths):
+            if n > self.end[b] - self.left[b]:
+                raise ValueError(f"row {b} holds {self.end[b] - self.left[b]} tokens, not {n}")
+        self.end = [l + n for l, n in zip(self.left, lengths)]
+
+    def add(self, cache) -> None:
+        """Append one sequence from its own (prefilled) mlx-lm `KVCache`."""
+        n = cache.offset
+        k = None if cache.keys is None else cache.keys[..., :n, :]
+        v = None if cache.values is None else cache.values[..., :n, :]
+        self._add(k, v, n)
+
+    def is_trimmable(self) -> bool:
+        return False  # rows roll back one by one: `set_lengths`
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+class RaggedContextCache(_Rows):
+    """One draft layer's context K/V for a batch (the batched `models.cache.ContextCache`).
+
+    Row b's entry at buffer index `end[b] - 1` is absolute position `pos[b] - 1`: positions stay
+    absolute for RoPE and the masks, whatever the padding. `max_rows` bounds what the draft
+    reads (a sliding-window layer, `--draft-window`) through the mask; the entries before it are
+    dropped when the buffer grows.
+    """
+
+    def __init__(self, max_rows: int | None = None):
+        super().__init__()
+        self.max_rows = max_rows
+        self.pos: list[int] = []  # absolute position after each row's last entry
+        self.incoming: list[int] = []  # per row: context rows the next `append` brings
+
+    @property
+    def offset(self) -> mx.array:
+        """Each row's absolute position of its next entry (block slot 0)."""
+        return mx.array(self.pos)
+
+    def visible_from(self) -> list[int]:
+        """Per row, the buffer index of the first entry the draft reads."""
+        if self.max_rows is None:
+            return list(self.left)
+        return [max(l, e - self.max_rows) for l, e in zip(self.left, self.end)]
+
+    def _reserve(self, n, like_k, like_v):
+        # entries a window can never read again go with the next growth
+        self.left = self.visible_from()
+        super()._reserve(n, like_k, like_v)
+
+    def append(self, k: mx.array, v: mx.array):
+        """Context K/V (B, H, P, D) padded to the longest; row b keeps `incoming[b]` of them."""
+        self._scatter(k, v)
+        self.end = [e + n for e, n in zip(self.end, self.incoming)]
+        self.pos = [p + n for p, n in zip(self.pos, self.incoming)]
+        self.incoming = [0] * self.batch_size
+
+    def with_block(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """The stored context followed, per row, by its block (B, H, L, D); ends do not move."""
+        self._scatter(k, v)
+        top = max(self.end) + k.shape[2]
+        return self.keys[..., :top, :], self.values[..., :top, :]
+
+    def block_mask(self, L: int, window: int | None, causal: bool) -> mx.array:
+        """(B, 1, L, S) for block queries: the row's visible context, then its own block, with
+        the draft layer's own window and causality (as `Attention._mask`, per row)."""
+        S = max(self.end) + L
+        j = mx.arange(S)[None, None, None, :]
+        end = mx.array(self.end)[:, None, None, None]
+        lo = mx.array(self.visible_from())[:, None, None, None]
+        t = mx.arange(L)[None, None, :, None]
+        context = (j >= lo) & (j < end)
+        block = (j >= end) & (j < end + L)
+        if window is not None:  # distance from query t (at end + t) to a context entry
+            context = context & ((end + t - j) < window)
+        if causal:
+            block = block & (j - end <= t)
+        # full size: the CPU's grouped attention tiles it per query head
+        return mx.broadcast_to(context | block, (self.batch_size, 1, L, S))
+
+    def snapshot(self) -> tuple:
+        return list(self.end), list(self.pos)
+
+    def restore(self, snap: tuple):
+        self.end, self.pos = list(snap[0]), list(snap[1])
+        self.incoming = [0] * self.batch_size
+
+    def filter(self, keep: list[int]):
+        super().filter(keep)
+        self.pos = [self.pos[i] for i in keep]
+        self.incoming = [0] * len(keep)
+
+    def add(self, cache) -> None:
+        """Append one sequence from its own `ContextCache` (its pending taps absorbed)."""
+        self._add(cache.keys, cache.values, cache.size())
+        self.pos.append(cache.offset)
+        self.incoming.append(0)
+
+    def rows(self, b: int):
+        lo, hi = self.visible_from()[b], self.end[b]
+        if self.keys is None or hi == lo:
+            return None, None
+        return self.keys[b: b + 1, :, lo:hi], self.values[b: b + 1, :, lo:hi]
+
+
+def set_lengths(caches: list[RaggedKVCache], lengths: list[int]):
+    for c in caches:
+        c.set_lengths(lengths)
+
+
+def filter_rows(caches: list | None, keep: list[int]):
+    for c in caches or ():
+        c.filter(keep)

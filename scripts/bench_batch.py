@@ -1,0 +1,126 @@
+"""Aggregate tokens/s with N prompts at once on the demo pair: batched speculation against the rest.
+
+For each concurrency N (default 1, 2, 4, 8) the same N prompts are decoded greedy by
+  (a) `batch_generate`: one speculative round for all N per step (this project, batched),
+  (b) `stream_generate` one prompt after another (this project, serial: what the server does today),
+  (c) mlx-lm's `BatchGenerator`: batched plain decoding of the same (float32) target,
+interleaved in one process, rotating which goes first; aggregate tok/s = generated tokens /
+wall seconds from the first prompt in to the last token out (prefill included), median over
+`--repeats`. (a) and (b) use the pair's device defaults (`SpeculationConfig.for_pair`).
+Greedy outputs of (a) and (b) must match per prompt; a difference is reported, not hidden.
+
+Prompts: the held-out file (scripts/prompts/heldout-v1.jsonl), never the reporting set.
+
+    python scripts/bench_batch.py --max-tokens 96 --repeats 3 [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import dflash_mlx  # noqa: F401, I001  (first: preloads the system OpenBLAS before mlx on Linux)
+from mlx_lm.generate import BatchGenerator
+
+from dflash_mlx import load, stream_generate
+from dflash_mlx.batch import batch_generate, serial_reason
+from dflash_mlx.registry import default_pair
+from dflash_mlx.speculate import SpeculationConfig
+
+PROMPTS = Path(__file__).resolve().parent / "prompts" / "heldout-v1.jsonl"
+
+
+def chat_ids(pair, text: str) -> list[int]:
+    return pair.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                              add_generation_prompt=True)
+
+
+def run_batched(pair, prompts, config, n) -> tuple[float, list[list[int]]]:
+    outs = [[] for _ in prompts]
+    tic = time.perf_counter()
+    for ev in batch_generate(pair, prompts, config, max_tokens=n):
+        outs[ev.index] += ev.tokens
+    return time.perf_counter() - tic, outs
+
+
+def run_serial(pair, prompts, config, n) -> tuple[float, list[list[int]]]:
+    outs = []
+    tic = time.perf_counter()
+    for p in prompts:
+        outs.append([t for ev in stream_generate(pair, p, config, max_tokens=n)
+                     for t in ev.tokens])
+    return time.perf_counter() - tic, outs
+
+
+def run_mlx_lm(pair, prompts, n) -> tuple[float, list[list[int]]]:
+    eos = list(getattr(pair.tokenizer, "eos_token_ids", None) or [])
+    gen = BatchGenerator(pair.target.model, stop_tokens=[[t] for t in eos],
+                         completion_batch_size=max(len(prompts), 1),
+                         prefill_batch_size=max(len(prompts), 1))
+    tic = time.perf_counter()
+    try:
+        uids = gen.insert(prompts, [n] * len(prompts))
+        outs = {u: [] for u in uids}
+        while responses := gen.next_generated():
+            for r in responses:
+                outs[r.uid].append(r.token)
+    finally:
+        gen.close()
+    return time.perf_counter() - tic, [outs[u] for u in uids]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", default="1,2,4,8", help="comma-separated N values")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", type=Path, help="write the table here too")
+    args = ap.parse_args()
+    levels = [int(x) for x in args.concurrency.split(",")]
+
+    pair = load(*default_pair())
+    config = SpeculationConfig.for_pair(pair)
+    texts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line]
+    print(f"target {pair.target_id} ({pair.weights}), draft {pair.draft_id}; "
+          f"block {config.block_size}, cut {config.min_confidence}, lookup {config.lookup}; "
+          f"batched target: {serial_reason(pair) or 'yes'}", file=sys.stderr)
+    runners = {
+        "batched": lambda ps: run_batched(pair, ps, config, args.max_tokens),
+        "serial": lambda ps: run_serial(pair, ps, config, args.max_tokens),
+        "mlx-lm": lambda ps: run_mlx_lm(pair, ps, args.max_tokens),
+    }
+    run_batched(pair, [chat_ids(pair, texts[0])] * 2, config, 4)  # warm-up: first-call costs
+    rows = []
+    for n in levels:
+        prompts = [chat_ids(pair, texts[i % len(texts)]) for i in range(n)]
+        tps = {k: [] for k in runners}
+        mismatched = 0
+        for r in range(args.repeats):
+            order = list(runners)
+            order = order[r % 3:] + order[: r % 3]  # rotate who runs first
+            outs = {}
+            for name in order:
+                secs, outs[name] = runners[name](prompts)
+                tps[name].append(sum(len(o) for o in outs[name]) / secs)
+            mismatched += sum(a != b for a, b in zip(outs["batched"], outs["serial"]))
+        med = {k: statistics.median(v) for k, v in tps.items()}
+        rows.append({"n": n, **{f"{k}_tps": round(v, 2) for k, v in med.items()},
+                     "batched_vs_serial": round(med["batched"] / med["serial"], 3),
+                     "batched_vs_mlx_lm": round(med["batched"] / med["mlx-lm"], 3),
+                     "outputs_differing": mismatched})
+        print(f"N={n}: batched {med['batched']:.1f}  serial {med['serial']:.1f}  "
+              f"mlx-lm {med['mlx-lm']:.1f} tok/s  (batched/serial "
+              f"{rows[-1]['batched_vs_serial']:.2f}x, batched/mlx-lm "
+              f"{rows[-1]['batched_vs_mlx_lm']:.2f}x; batched vs serial outputs differing: "
+              f"{mismatched})", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"max_tokens": args.max_tokens,
+                                         "repeats": args.repeats, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

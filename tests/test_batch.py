@@ -1,0 +1,460 @@
+"""The batched round is exact: every sequence of a batch gets what it would get alone.
+
+Greedy: each sequence's output equals its own `stream_generate` run and mlx-lm's plain greedy
+decoding, with prompts of different lengths, ragged acceptance (an oracle draft that is wrong at
+a different rate per sequence), a sequence joining mid-way, one cancelled mid-batch, per-row
+logits processors, block size 1, and on sliding-window and hybrid targets (served one sequence
+after another). After every round each sequence's cache rows equal a fresh prefill of its
+tokens. A batch that rolls every row back by the same amount (what one write index for all
+rows would do) must fail the same check.
+
+Sampling: the first token of each sequence of a batch follows the target's distribution
+(chi-square), with other sequences, greedy and sampled, in the same batch; a sampler that skips
+the residual must fail it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dflash_mlx import Session, stream_generate, tiny
+from dflash_mlx.batch import Batch, batch_generate, serial_reason
+from dflash_mlx.errors import InvalidArgumentError
+from dflash_mlx.models.dflash import DFlashDraftModel
+from dflash_mlx.speculate import SamplingParams, SpeculationConfig
+from dflash_mlx.speculate import batch_round as batch_round_module
+from dflash_mlx.speculate.grammar import Constraint
+from dflash_mlx.speculate.processors import Processing
+from dflash_mlx.speculate.sampling import rejection_sample_device
+from support.engine import Oracle, float32_pair, mlx_lm_greedy
+from support.sampling import pick, target_rows
+from support.stats import chi_square
+from support.tiers import slow_after
+
+V = tiny.VOCAB_SIZE
+GATED = {"model_type": "gemma3_text", "num_hidden_layers": 4, "sliding_window": 8,
+         "sliding_window_pattern": 2, "query_pre_attn_scalar": 16,
+         "rope_local_base_freq": 10000.0}
+
+
+class Plan:
+    """Which oracle proposes for each row of a batch (rows follow `batch.running`)."""
+
+    def __init__(self, batch: Batch, oracles: dict[int, Oracle]):
+        self.batch, self.oracles = batch, oracles
+
+
+def one_hot_logits(ids: list[list[int]], hidden: mx.array) -> mx.array:
+    logits = mx.where(mx.arange(V) == mx.array(ids)[..., None], 0.0, -1e9)
+    return logits.reshape(*hidden.shape[:-1], V)
+
+
+class Where:
+    """Per row, the absolute position of block slot 0 in the last draft pass (a plain object:
+    nn.Module files arrays and lists as parameters)."""
+
+    def __init__(self, pos: list[int], rows: list[int]):
+        self.pos, self.rows = pos, rows  # rows: the batch's sequence indices
+
+
+class RowsOracleDraft(DFlashDraftModel):
+    """A real draft (its batched forward runs) whose proposals are each row's oracle's."""
+
+    plan: Plan | None = None
+
+    def __call__(self, block_ids, context, cache):
+        hidden = super().__call__(block_ids, context, cache)
+        off = cache[0].offset
+        batch = self.plan and self.plan.batch
+        rows = []
+        if batch is not None and batch.serial:  # one sequence's own cache: which one
+            rows = [s.index for s in batch._seqs if s.session.draft_cache is cache]
+        elif batch is not None:
+            rows = batch.running
+        self.where = Where(off.tolist() if isinstance(off, mx.array) else [off], rows)
+        return hidden
+
+    def proposal_logits(self, hidden):
+        if self.plan is None:
+            return super().proposal_logits(hidden)
+        pos = self.where.pos
+        out = []
+        for b, index in enumerate(self.where.rows):
+            o, row = self.plan.oracles[index], []
+            for i in range(1, hidden.shape[-2] + 1):
+                j = pos[b] + i - o.prompt_len
+                tok = o.reference[j] if 0 <= j < len(o.reference) else 0
+                if o.rng.random() < o.p_wrong:
+                    tok = o.rng.randrange(V)
+                row.append(tok)
+            out.append(row)
+        return one_hot_logits(out, hidden)
+
+
+class Fixed:
+    def __init__(self, rows: list[list[int]]):
+        self.rows = rows
+
+
+class FixedRowsDraft(DFlashDraftModel):
+    """A real draft whose proposals are fixed ids, one list per row."""
+
+    fixed: Fixed | None = None
+
+    def proposal_logits(self, hidden):
+        if self.fixed is None:
+            return super().proposal_logits(hidden)
+        ids = [r[: hidden.shape[-2]] for r in self.fixed.rows]
+        return one_hot_logits(ids, hidden)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch")
+    return {
+        "qwen3": tiny.make_target(root / "qwen3"),
+        "llama": tiny.make_target(root / "llama", model_type="llama", seed=5),
+        "gemma3": tiny.make_target(root / "gemma3", **GATED),
+        "hybrid": tiny.make_hybrid_target(root / "hybrid"),
+        "draft": tiny.make_draft(root / "draft", tiny.draft_config(block_size=8)),
+        "draft4": tiny.make_draft(root / "draft4", tiny.draft_config(
+            target_layers=4, dflash_config={"mask_token_id": tiny.MASK_ID,
+                                            "target_layer_ids": [1, 2]})),
+    }
+
+
+@pytest.fixture(scope="module")
+def pairs(dirs):
+    return {name: float32_pair(dirs[name], dirs["draft4" if name == "gemma3" else "draft"],
+                               RowsOracleDraft)
+            for name in ("qwen3", "llama", "gemma3", "hybrid")}
+
+
+def reference(model, prompt: list[int], n: int) -> list[int]:
+    ref = mlx_lm_greedy(model, prompt, n)
+    return ref[: ref.index(tiny.EOS_ID) + 1] if tiny.EOS_ID in ref else ref
+
+
+def prompts_for(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randint(2, 40))] for _ in range(n)]
+
+
+def drive(pair, prompts, config, n, p_wrong=None, seed=0, join=None, cancel=None, check=None,
+          sampling=None, ragged=None):
+    """Run a `Batch` to the end: {index: tokens}. `join`: (after step k, prompt) adds one;
+    `cancel`: (after step k, index) drops one; `check(batch)` runs after every step.
+    `p_wrong`: per-sequence oracle error rates (None: the draft's own proposals). `ragged`: a
+    list that gets, per round, whether its rows accepted different numbers of tokens."""
+    batch = Batch(pair, config)
+    oracles = {}
+    pair.draft.plan = Plan(batch, oracles) if p_wrong is not None else None
+    everything = list(prompts) + ([join[1]] if join else [])
+
+    def add(i, prompt):
+        if p_wrong is not None:
+            oracles[i] = Oracle(reference(pair.target.model, prompt, n), len(prompt),
+                                p_wrong[i % len(p_wrong)], seed * 100 + i)
+        assert batch.add(prompt, max_tokens=n, sampling=sampling and sampling[i]) == i
+
+    for i, p in enumerate(prompts):
+        add(i, p)
+    outs, steps = {i: [] for i in range(len(everything))}, 0
+    while batch.running:
+        events = batch.step()
+        for ev in events:
+            outs[ev.index] += ev.tokens
+        if ragged is not None:
+            ragged.append(len({ev.accepted for ev in events}) > 1)
+        steps += 1
+        if join and steps == join[0]:
+            add(len(prompts), join[1])
+        if cancel and steps == cancel[0]:
+            assert batch.cancel(cancel[1])
+        if check:
+            check(batch)
+    pair.draft.plan = None
+    return outs
+
+
+def single(pair, prompt, config, n, sampling=None):
+    if isinstance(pair.draft, RowsOracleDraft):
+        pair.draft.plan = None
+    return [t for e in stream_generate(pair, prompt, config, max_tokens=n, sampling=sampling)
+            for t in e.tokens]
+
+
+CASES = [(s, b) for s in range(4) for b in (3, 5, 8)]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("case", slow_after(CASES, keep=2, ids=[f"s{s}-b{b}" for s, b in CASES]))
+def test_greedy_batch_equals_each_sequence_alone(pairs, family, case):
+    """Ragged prompts and ragged acceptance (oracle error rates 0 .. 0.9 per row)."""
+    seed, block = case
+    pair = pairs[family]
+    prompts = prompts_for(seed, 5)
+    config = SpeculationConfig(block_size=block, lookup=False)
+    ragged = []
+    outs = drive(pair, prompts, config, 40, p_wrong=[0.0, 0.2, 0.5, 0.9, 0.35], seed=seed,
+                 ragged=ragged)
+    assert sum(ragged) >= 5  # rows accepted different counts in one pass, many times
+    for i, p in enumerate(prompts):
+        ref = reference(pair.target.model, p, 40)
+        assert outs[i] == ref, f"sequence {i} (prompt of {len(p)}) differs from mlx-lm"
+        assert outs[i] == single(pair, p, config, 40)
+
+
+def test_defaults_cut_and_lookup_give_ragged_widths(pairs):
+    """The device's defaults (confidence cut, context lookup) and the random draft: rows verify
+    different widths in one pass; outputs are still each sequence's own."""
+    pair = pairs["qwen3"]
+    config = SpeculationConfig.for_pair(pair).replace(min_confidence=0.05, lookup=True)
+    prompts = prompts_for(11, 4) + [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8]]
+    outs = drive(pair, prompts, config, 32)
+    for i, p in enumerate(prompts):
+        assert outs[i] == single(pair, p, config, 32) == reference(pair.target.model, p, 32)
+
+
+def test_block_size_1_is_batched_plain_decoding(pairs):
+    pair = pairs["llama"]
+    prompts = prompts_for(3, 4)
+    batch = Batch(pair, SpeculationConfig(block_size=1))
+    assert batch.draft_cache is None and batch.serial is None
+    outs = {i: [] for i in range(4)}
+    for ev in batch_generate(pair, prompts, SpeculationConfig(block_size=1), max_tokens=24):
+        assert ev.block_size == 1 and ev.drafted == []
+        outs[ev.index] += ev.tokens
+    for i, p in enumerate(prompts):
+        assert outs[i] == reference(pair.target.model, p, 24)
+
+
+def _fresh_rows(target, tokens):
+    cache = target.make_cache()
+    target(mx.array([tokens]), cache, taps=False)
+    return [(c.keys[..., : len(tokens), :], c.values[..., : len(tokens), :]) for c in cache]
+
+
+def check_caches(pair):
+    """After a round: each row's target cache is a fresh prefill of its tokens but the last,
+    and its draft cache plus its pending taps cover the same positions."""
+
+    def check(batch):
+        for b, index in enumerate(batch.running):
+            tokens = batch.tokens(index)[:-1]
+            assert all(c.lengths()[b] == len(tokens) for c in batch.target_cache)
+            pending = batch._seqs[b].row.pending
+            assert batch.draft_cache[0].pos[b] + (0 if pending is None else pending.shape[1]) \
+                == len(tokens)
+            for c, (k, v) in zip(batch.target_cache, _fresh_rows(pair.target, tokens)):
+                got_k, got_v = c.rows(b)
+                scale = float(mx.abs(k).max()) + 1e-6
+                assert float(mx.abs(got_k - k).max()) / scale < 1e-4
+                assert float(mx.abs(got_v - v).max()) / (float(mx.abs(v).max()) + 1e-6) < 1e-4
+    return check
+
+
+def test_join_midway_and_cancel_keep_the_others_exact(pairs):
+    """A long prompt joins after 2 rounds (every row shifts right), sequence 1 is cancelled
+    after 4; the rest match mlx-lm and every cache is a fresh prefill after every round."""
+    pair = pairs["qwen3"]
+    prompts = prompts_for(21, 3)
+    late = prompts_for(22, 1)[0] + list(range(60, 110))  # longer than any running row
+    config = SpeculationConfig(block_size=5, lookup=False)
+    outs = drive(pair, prompts, config, 30, p_wrong=[0.1, 0.4, 0.7, 0.2], join=(2, late),
+                 cancel=(4, 1), check=check_caches(pair))
+    for i, p in enumerate(prompts + [late]):
+        ref = reference(pair.target.model, p, 30)
+        if i == 1:
+            assert 0 < len(outs[i]) < len(ref) and outs[i] == ref[: len(outs[i])]
+        else:
+            assert outs[i] == ref, f"sequence {i} differs"
+
+
+SCHEDULES = list(range(6))
+
+
+@pytest.mark.parametrize("seed", slow_after(SCHEDULES, keep=1))
+def test_random_joins_and_cancels(pairs, seed):
+    """Sequences join and leave at random round boundaries; whoever runs to the end matches
+    mlx-lm, whoever is cancelled has a prefix of it, and the caches stay fresh prefills."""
+    pair = pairs["llama" if seed % 2 else "qwen3"]
+    rng = random.Random(seed)
+    config = SpeculationConfig(block_size=rng.choice([3, 5, 8]), lookup=False)
+    prompts = prompts_for(100 + seed, 7)
+    batch = Batch(pair, config)
+    oracles, outs, cancelled = {}, {}, set()
+    pair.draft.plan = Plan(batch, oracles)
+    waiting = list(enumerate(prompts))
+    check = check_caches(pair)
+    while waiting or batch.running:
+        for _ in range(rng.randint(0, 2) if batch.running else 1):
+            if waiting:
+                i, p = waiting.pop(0)
+                oracles[i] = Oracle(reference(pair.target.model, p, 28), len(p),
+                                    rng.choice([0.0, 0.3, 0.8]), seed * 100 + i)
+                assert batch.add(p, max_tokens=28) == i
+                outs[i] = []
+        if len(batch.running) > 1 and rng.random() < 0.15:
+            victim = rng.choice(batch.running)
+            batch.cancel(victim)
+            cancelled.add(victim)
+        for ev in batch.step():
+            outs[ev.index] += ev.tokens
+        check(batch)
+    pair.draft.plan = None
+    for i, p in enumerate(prompts):
+        ref = reference(pair.target.model, p, 28)
+        assert outs[i] == (ref[: len(outs[i])] if i in cancelled else ref), f"sequence {i}"
+
+
+def test_dflash2_and_draft_free_batches(dirs, tmp_path):
+    """A DFlash 2 draft (its selector walks each row) and draft-free lookup speculation."""
+    from dflash_mlx import load
+
+    d2 = tiny.make_dflash2_draft(tmp_path / "d2")
+    prompts = prompts_for(31, 3) + [[9, 8, 7, 9, 8, 7, 9, 8, 7, 9]]
+    for pair, config in [
+        (load(dirs["qwen3"], d2, draft_bits=16, weights="float32"),
+         SpeculationConfig(block_size=5, lookup=False)),
+        (load(dirs["qwen3"], None, weights="float32"),
+         SpeculationConfig(block_size=4, draft_free=True)),
+    ]:
+        outs = {i: [] for i in range(len(prompts))}
+        for ev in batch_generate(pair, prompts, config, max_tokens=24):
+            outs[ev.index] += ev.tokens
+        for i, p in enumerate(prompts):
+            assert outs[i] == reference(pair.target.model, p, 24)
+            assert outs[i] == single(pair, p, config, 24)
+
+
+def test_uniform_rollback_breaks_it(pairs, monkeypatch):
+    """The checks above can fail: rolling every row back to the longest row's length (one
+    write index for the whole batch) leaves rejected rows in the shorter rows' caches."""
+    pair = pairs["qwen3"]
+    real = batch_round_module.set_lengths
+
+    def uniform(caches, lengths):
+        held = caches[0].lengths()
+        drop = min(h - n for h, n in zip(held, lengths))  # the same for every row
+        real(caches, [h - drop for h in held])
+
+    monkeypatch.setattr(batch_round_module, "set_lengths", uniform)
+    prompts = prompts_for(5, 4)
+    with pytest.raises(AssertionError):
+        outs = drive(pair, prompts, SpeculationConfig(block_size=5, lookup=False), 30,
+                     p_wrong=[0.0, 0.6, 0.9, 0.3])
+        assert all(outs[i] == reference(pair.target.model, p, 30) for i, p in enumerate(prompts))
+
+
+def test_processors_apply_per_row(pairs):
+    pair = pairs["llama"]
+    prompts = prompts_for(8, 3)
+    sampling = [SamplingParams(processing=Processing(repetition_penalty=1.5)),
+                SamplingParams(processing=Processing(logit_bias={5: 3.0, 17: 2.0})),
+                SamplingParams()]
+    config = SpeculationConfig(block_size=4, lookup=False)
+    outs = drive(pair, prompts, config, 24, p_wrong=[0.3], sampling=sampling)
+    for i, p in enumerate(prompts):
+        assert outs[i] == single(pair, p, config, 24, sampling[i])
+    assert outs[2] == reference(pair.target.model, prompts[2], 24)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "hybrid"])
+def test_sliding_and_hybrid_targets_run_one_after_another(pairs, family):
+    pair = pairs[family]
+    assert serial_reason(pair)  # said, not hidden
+    prompts = prompts_for(13, 3)
+    config = SpeculationConfig(block_size=5, lookup=False)
+    outs = drive(pair, prompts, config, 32, p_wrong=[0.0, 0.5, 0.8], cancel=(3, 2))
+    for i, p in enumerate(prompts[:2]):
+        assert outs[i] == reference(pair.target.model, p, 32) == single(pair, p, config, 32)
+
+
+def test_trees_and_grammars_are_refused(pairs):
+    pair = pairs["qwen3"]
+    with pytest.raises(InvalidArgumentError, match="tree"):
+        Batch(pair, SpeculationConfig(block_size=5, tree=8))
+    batch = Batch(pair, SpeculationConfig(block_size=5))
+    with pytest.raises(InvalidArgumentError, match="grammar"):
+        batch.add([1, 2, 3], sampling=SamplingParams(constraint=Constraint("regex", "[ab]+")))
+    with pytest.raises(InvalidArgumentError):
+        list(batch_generate(pair, [[1, 2]], max_tokens=[4, 5]))
+
+
+def test_events_carry_the_stream_generate_fields(pairs):
+    pair = pairs["qwen3"]
+    prompts = prompts_for(2, 2)
+    events = list(batch_generate(pair, prompts, SpeculationConfig(block_size=4), max_tokens=9,
+                                 logprobs=2))
+    for i in range(2):
+        mine = [e for e in events if e.index == i]
+        assert [e.generation_tokens for e in mine] == list(np.cumsum([len(e.tokens)
+                                                                      for e in mine]))
+        assert mine[-1].finish_reason in ("stop", "length") and mine[-1].generation_tokens <= 9
+        assert all(len(e.logprobs) == len(e.tokens) for e in mine)
+        assert all(e.prompt_tokens == len(prompts[i]) - 1 for e in mine)
+
+
+# -- sampling ------------------------------------------------------------------------------
+
+PROMPTS_T = ([84, 104, 101, 32, 113, 117, 105, 99, 107, 32], [40, 50, 60, 70])
+SETTINGS_T = [
+    ((SamplingParams(1.0), "top"), (SamplingParams(0.7, 1.0, 20), "mid"), 800),
+    ((SamplingParams(1.3, 0.8, 0), "mid"), (SamplingParams(1.0), "least"), 1500),
+]
+
+
+@pytest.fixture(scope="module")
+def fixed_pair(dirs):
+    return float32_pair(dirs["qwen3"], dirs["draft"], FixedRowsDraft)
+
+
+def first_tokens(pair, settings, n: int, seed: int = 500):
+    """First token of each sampled sequence over `n` seeded batches; every batch also holds a
+    greedy sequence in the middle row."""
+    rows = [target_rows(pair, p, s, 1)[0] for p, (s, _) in zip(PROMPTS_T, settings)]
+    proposals = [pick(r, kind) for r, (_, kind) in zip(rows, settings)]
+    pair.draft.fixed = Fixed([[proposals[0]] * 2, [0, 0], [proposals[1]] * 2])
+    config = SpeculationConfig(block_size=2, lookup=False)
+    # prefilled once: each batch copies them (a batched target leaves the sessions as they are)
+    sessions = [Session.new(pair, config) for _ in range(3)]
+    first = np.empty((2, n), np.int64)
+    a, b = settings[0][0], settings[1][0]
+    for k in range(n):
+        batch = Batch(pair, config)
+        batch.add(PROMPTS_T[0], max_tokens=2, session=sessions[0], sampling=SamplingParams(
+            a.temperature, a.top_p, a.top_k, seed=seed + k))
+        batch.add([3, 1, 4, 1, 5], max_tokens=2, session=sessions[1])
+        batch.add(PROMPTS_T[1], max_tokens=2, session=sessions[2], sampling=SamplingParams(
+            b.temperature, b.top_p, b.top_k, seed=10**6 + seed + k))
+        events = batch.step()
+        first[0, k], first[1, k] = events[0].tokens[0], events[2].tokens[0]
+        assert events[0].drafted == [proposals[0]] and events[2].drafted == [proposals[1]]
+        batch.close()
+    pair.draft.fixed = None
+    return first, rows
+
+
+@pytest.mark.parametrize("case", slow_after(SETTINGS_T, keep=1))
+def test_first_tokens_follow_the_target_in_a_batch(fixed_pair, case):
+    *settings, n = case
+    first, rows = first_tokens(fixed_pair, settings, n)
+    for got, row in zip(first, rows):
+        result = chi_square(got, row)
+        assert result.ok, result
+
+
+def test_a_sampler_without_the_residual_fails(fixed_pair, monkeypatch):
+    def broken(drafted, probs, q, key):
+        out = rejection_sample_device(drafted, probs, q, key)
+        nxt = mx.random.categorical(mx.log(probs[out[0]]), key=mx.random.split(key)[1])
+        return mx.stack([out[0], nxt.astype(mx.int32)])  # BUG: p, not max(p - q, 0)
+
+    monkeypatch.setattr(batch_round_module, "rejection_sample_device", broken)
+    first, rows = first_tokens(fixed_pair, SETTINGS_T[0][:2], 400)
+    assert not chi_square(first[0], rows[0]).ok  # the top token proposed: drawn too often
