@@ -131,12 +131,7 @@ def test_every_listed_field_has_a_policy_and_a_case():
 @pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory):
     log = tmp_path_factory.mktemp("policy-logs") / "server.log"
-    s = ss.start(["--model", tiny.target, "--draft", tiny.draft, "--log-level", "warning",
-                  "--served-model-name", "served"], log)
-    try:
-        yield ss.wait_ready(s)
-    finally:
-        s.stop()
+    yield from ss.clean_tiny_server(tiny, log, "--served-model-name", "served")
 
 
 def _text(obj) -> str:

@@ -274,13 +274,7 @@ def test_bytes_and_slot_options(tiny):
 @pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory):
     log = tmp_path_factory.mktemp("prompt-cache-server") / "serve.log"
-    s = ss.start(["--model", tiny.target, "--draft", tiny.draft, "--cache-slots", "3",
-                  "--log-level", "warning"], log)
-    try:
-        yield ss.wait_ready(s)
-    finally:
-        code = s.stop()
-    assert code in (0, 130) and "Traceback" not in log.read_text()
+    yield from ss.clean_tiny_server(tiny, log, "--cache-slots", "3")
 
 
 def test_interleaved_chats_report_their_cached_tokens(server, pair):

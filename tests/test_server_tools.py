@@ -23,30 +23,24 @@ HISTORY = ASK + [
     {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny", "temp": 21}'}]
 
 
-def _serve(pair, log, module="dflash_mlx.cli.main", serve=True):
-    target, draft = pair
-    args = ["--model", target, "--draft", draft] if serve else ["--model", target]
-    return ss.wait_ready(ss.start([*args, "--log-level", "warning"], log, module=module,
-                                  serve=serve))
+def _scripted(factory, name: str, script: list[str], **kw):
+    """A module fixture's body: `serve` on a scripted pair, stopped cleanly afterwards."""
+    root = factory.mktemp(name)
+    target, draft = make_scripted_pair(root, script, **kw)
+    yield from ss.serving(["--model", target, "--draft", draft, "--log-level", "warning"],
+                          root / "server.log")
 
 
 @pytest.fixture(scope="module")
 def caller(tmp_path_factory):
     """A server whose target thinks, then calls get_weather(city=Paris, unit=celsius)."""
-    root = tmp_path_factory.mktemp("caller")
-    s = _serve(make_scripted_pair(root, THINK_THEN_CALL), root / "server.log")
-    yield s
-    assert s.stop() in (0, 130)
-    assert "Traceback" not in (root / "server.log").read_text()
+    yield from _scripted(tmp_path_factory, "caller", THINK_THEN_CALL)
 
 
 @pytest.fixture(scope="module")
 def answerer(tmp_path_factory):
     """A server whose target thinks, then answers in text."""
-    root = tmp_path_factory.mktemp("answerer")
-    s = _serve(make_scripted_pair(root, THINK_THEN_ANSWER), root / "server.log")
-    yield s
-    assert s.stop() in (0, 130)
+    yield from _scripted(tmp_path_factory, "answerer", THINK_THEN_ANSWER)
 
 
 def _client(server):
@@ -254,10 +248,7 @@ def _flat(tool: dict) -> dict:
 @pytest.fixture(scope="module")
 def chatter(tmp_path_factory):
     """A server whose target answers in text, unless a grammar forces its tool-call chain."""
-    root = tmp_path_factory.mktemp("chatter")
-    s = _serve(make_scripted_pair(root, [ANSWER], chains=[FORCED_CALL]), root / "server.log")
-    yield s
-    assert s.stop() in (0, 130)
+    yield from _scripted(tmp_path_factory, "chatter", [ANSWER], chains=[FORCED_CALL])
 
 
 OTHER_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {

@@ -124,10 +124,17 @@ def wait_ready(server: Server, timeout: float = 60) -> Server:
     raise RuntimeError(f"server not ready in {timeout} s:\n{server.log.read_text()}")
 
 
-def clean_tiny_server(tiny, log: Path):
+def clean_tiny_server(tiny, log: Path, *extra: str):
     """A module fixture's body: a server on the tiny pair, yielded ready; afterwards it must have
     stopped cleanly with no traceback (nor a C++ abort) in its log."""
-    s = start(["--model", tiny.target, "--draft", tiny.draft, "--log-level", "warning"], log)
+    yield from serving(["--model", str(tiny.target), "--draft", str(tiny.draft),
+                        "--log-level", "warning", *extra], log)
+
+
+def serving(args: list[str], log: Path):
+    """A module fixture's body: `serve args`, yielded ready, then stopped; it must have stopped
+    cleanly with no traceback (nor a C++ abort) in its log."""
+    s = start(args, log)
     try:
         yield wait_ready(s)
     finally:
