@@ -89,6 +89,24 @@ def test_streamed_tool_call_assembles_to_the_same_call(caller):
     assert usage.completion_tokens_details.reasoning_tokens == 3
 
 
+def test_a_client_gone_mid_tool_call_frees_the_engine(caller):
+    """Hang up after the first chunks of a streamed tool call: the generation stops at its
+    next block, the server stays healthy, and the next request gets the whole call."""
+    ended = lambda h: h["cancelled"] + h["completed"]  # noqa: E731
+    before = ended(caller.health())
+    conn, r = ss.open_stream(caller, "/v1/chat/completions", {
+        "messages": ASK, "tools": [WEATHER_TOOL], "max_tokens": 32})
+    r.readline()  # the role chunk
+    ss.hang_up(conn, r)
+    ss.wait_for(lambda: caller.health()["running"] == 0 and caller.health()["queued"] == 0)
+    after = caller.health()
+    assert after["status"] == "ok"
+    assert ended(after) == before + 1  # it ended, cancelled or (if quicker) completed
+    status, body = caller.post("/v1/chat/completions", {
+        "messages": ASK, "tools": [WEATHER_TOOL], "max_tokens": 32})
+    assert status == 200 and body["choices"][0]["finish_reason"] == "tool_calls"
+
+
 def test_without_tools_the_text_is_content(caller):
     """No tools in the request: nothing is parsed (as mlx_lm.server does)."""
     r = _client(caller).chat.completions.create(model=_model(caller), messages=ASK,
