@@ -89,7 +89,11 @@ def serve(
         help="CORS: comma-separated origins of browser pages that may call the API "
         "(e.g. http://localhost:3000), or '*' for any. Default: none.")] = None,
     queue_size: Annotated[int, typer.Option(
-        help="Requests that may wait while one generates; beyond that, 503.")] = 64,
+        help="Requests that may wait for the engine; beyond that, 503 with Retry-After.")] = 64,
+    max_batch: Annotated[int, typer.Option(
+        help="Requests decoded together (continuous batching), at most what this machine's "
+        "memory holds for the target's caches; 1 (the default): one at a time, which keeps "
+        "replies in the prompt cache.")] = 1,
     cache_slots: Annotated[int, typer.Option(
         help="Conversations whose caches are kept for reuse, least recently used dropped "
         "first (one under mlx.launch).")] = 4,
@@ -111,8 +115,9 @@ def serve(
                                        rich_help_panel=S)] = 0,
 ):
     """Serve the pair over an OpenAI-compatible API: /v1/chat/completions, /v1/completions
-    (streaming or not), /v1/models, /health. One generation at a time, the rest queued.
-    Under mlx.launch rank 0 serves and the target is sharded across the ranks."""
+    (streaming or not), /v1/models, /health. Up to --max-batch generations at once, the rest
+    queued. Under mlx.launch rank 0 serves (one at a time) and the target is sharded across
+    the ranks."""
     from . import serve as server
     from .. import engine, registry
     from ..speculate.sampling import SamplingParams, check_max_tokens
@@ -127,7 +132,7 @@ def serve(
                  api_key=api_key, model_name=served_model_name, queue_size=queue_size,
                  log_level=log_level, max_tokens=max_tokens, sampling=defaults,
                  client_templates=allow_client_templates, allowed_origins=allowed_origins,
-                 cache_slots=cache_slots, cache_bytes=cache_bytes)
+                 cache_slots=cache_slots, cache_bytes=cache_bytes, max_batch=max_batch)
 
 
 @app.command("train-draft")

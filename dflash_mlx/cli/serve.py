@@ -7,6 +7,7 @@ it, so the command line loads it only for these commands.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from pathlib import Path
@@ -112,10 +113,13 @@ def remote_benchmark(base_url: str, api_key: str | None, model: str | None, data
 
 
 def check_options(*, host: str, port: int, api_key: str | None, queue_size: int,
-                  log_level: str, cache_slots: int = 4, cache_bytes: str | None = None) -> None:
+                  log_level: str, cache_slots: int = 4, cache_bytes: str | None = None,
+                  max_batch: int | None = None) -> None:
     """`serve`'s own options, checked before anything is loaded."""
     if queue_size < 1:
         raise InvalidArgumentError(f"--queue-size must be at least 1, got {queue_size}")
+    if max_batch is not None and not 1 <= max_batch <= 256:
+        raise InvalidArgumentError(f"--max-batch must be between 1 and 256, got {max_batch}")
     if log_level not in LOG_LEVELS:
         raise InvalidArgumentError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
     if api_key is not None and not api_key.strip():
@@ -162,16 +166,16 @@ def serve(spec, settings: engine.EngineSettings, *, host: str, port: int, api_ke
           model_name: str | None, queue_size: int, log_level: str, max_tokens: int,
           sampling: SamplingParams, client_templates: bool,
           allowed_origins: str | None = None, cache_slots: int = 4,
-          cache_bytes: str | None = None) -> None:
+          cache_bytes: str | None = None, max_batch: int | None = None) -> None:
     """`serve`: bind, open the engine, then answer until Ctrl-C. Under mlx.launch rank 0 does
     that while the other ranks follow its generations (`server/follower.py`)."""
     from ..distributed import end_with_launcher, world
     from ..server.app import ServerConfig, bind, serve as run
     from ..server.prompt_cache import parse_bytes
-    from ..server.worker import Worker
 
     check_options(host=host, port=port, api_key=api_key, queue_size=queue_size,
-                  log_level=log_level, cache_slots=cache_slots, cache_bytes=cache_bytes)
+                  log_level=log_level, cache_slots=cache_slots, cache_bytes=cache_bytes,
+                  max_batch=max_batch)
     origins = parse_origins(allowed_origins)
     engine.check(settings)
     group = world()
@@ -207,12 +211,50 @@ def serve(spec, settings: engine.EngineSettings, *, host: str, port: int, api_ke
     render.note(f"serving {model_id} ({how}{ranks}) on http://{where}:{bound}/v1"
                 f"{' with an API key' if api_key else ''}; Ctrl-C stops")
     max_bytes = None if cache_bytes is None else parse_bytes(cache_bytes)
+    _server_log(log_level)
     if group is None:
-        worker = Worker(pair, config, queue_size, cache_slots=cache_slots, cache_bytes=max_bytes)
+        worker = _worker(pair, config, queue_size, max_batch, cache_slots=cache_slots,
+                         cache_bytes=max_bytes)
     else:
+        from ..server.batch_worker import batch_refusal
         from ..server.follower import Leader
 
         end_with_launcher()
+        if max_batch and max_batch > 1:
+            render.note(f"requests run one at a time: {batch_refusal(pair, config, group)}")
         worker = Leader(pair, config, group, queue_size)  # one slot: the followers mirror it
         worker.cache.max_bytes = max_bytes or worker.cache.max_bytes
     run(worker, cfg, sock, log_level)
+
+
+def _worker(pair, config, queue_size: int, max_batch: int | None, **cache):
+    """One request at a time (`Worker`), or continuous batching (`BatchWorker`) when asked and
+    the pair and its settings allow it, as wide as the machine's memory holds."""
+    from ..server.batch_worker import BatchWorker, batch_refusal, batch_that_fits
+    from ..server.worker import Worker
+
+    max_batch = max_batch or 1
+    why = batch_refusal(pair, config) if max_batch > 1 else None
+    if why is not None:
+        render.note(f"requests run one at a time: {why}")
+    if max_batch == 1 or why is not None:
+        return Worker(pair, config, queue_size, **cache)
+    fits = batch_that_fits(pair, cache["cache_bytes"])
+    if max_batch > fits:
+        render.note(f"--max-batch {max_batch} is more than this machine's memory holds for the "
+                    f"target's caches: {fits}")
+        max_batch = fits
+    render.note(f"continuous batching: up to {max_batch} requests decoded together")
+    return BatchWorker(pair, config, queue_size, max_batch=max_batch, **cache)
+
+
+def _server_log(level: str) -> None:
+    """The server's own lines (one per request at info) at --log-level, on stderr as
+    uvicorn's."""
+    log = logging.getLogger("dflash_mlx.server")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel(level.upper())

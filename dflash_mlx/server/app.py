@@ -205,7 +205,8 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
             if worker.closing:
                 raise APIError(503, "the server is shutting down") from None
             raise APIError(503, f"the server is busy ({worker.jobs.maxsize} requests queued); "
-                           "retry later", code="server_busy") from None
+                           "retry later", code="server_busy",
+                           headers={"Retry-After": str(worker.retry_after())}) from None
         try:
             first = await _next(job, request)
             if isinstance(first, Failed):

@@ -47,6 +47,11 @@ class _Writer:
             self.lines.append(f"dflash_{name}{{{tags}}} {value}" if tags
                               else f"dflash_{name} {value}")
 
+    def summary(self, name: str, help_: str, total) -> None:
+        """A summary without quantiles: `total` has .sum and .count."""
+        self.lines += [f"# HELP dflash_{name} {help_}", f"# TYPE dflash_{name} summary",
+                       f"dflash_{name}_sum {total.sum}", f"dflash_{name}_count {total.count}"]
+
 
 def render(worker, http: HTTPCounts) -> str:
     """The whole exposition text."""
@@ -79,6 +84,20 @@ def render(worker, http: HTTPCounts) -> str:
     w.metric("prompt_seconds_total", "counter", "Time in prompt prefill.", spec["prompt_s"])
     w.metric("running", "gauge", "Generations running now.", int(worker.running))
     w.metric("queued", "gauge", "Requests waiting for the engine.", worker.queued)
+    w.metric("batch_size", "gauge", "Sequences decoded together in the running batch.",
+             getattr(worker, "batch_size", 0))
+    w.metric("max_batch", "gauge", "Most sequences decoded together (--max-batch).",
+             getattr(worker, "max_batch", 1))
+    w.metric("batch_rounds_total", "counter", "Rounds of the batch (one target pass for all "
+             "its sequences).", getattr(worker, "rounds", 0))
+    w.metric("batch_rows_total", "counter", "Sequences summed over those rounds (divided by "
+             "them: the mean batch size).", getattr(worker, "rows", 0))
+    timings = worker.timings() if hasattr(worker, "timings") else {}
+    if timings:
+        w.summary("time_to_first_token_seconds", "From a request's submission to the engine "
+                  "(parsed and tokenized) to its first generated token.", timings["ttft"])
+        w.summary("time_per_output_token_seconds", "Per generated token after the first, per "
+                  "request.", timings["tpot"])
     cache = worker.cache_info() if hasattr(worker, "cache_info") else None
     if cache:
         for key, value in sorted(cache.items()):

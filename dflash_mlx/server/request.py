@@ -49,12 +49,15 @@ class ServerConfig:
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers  # e.g. Retry-After on a 503 past the queue
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.param, self.code)
+        response = error_response(self.status, self.message, self.param, self.code)
+        response.headers.update(self.headers or {})
+        return response
 
 
 def error_response(status: int, message: str, param: str | None = None,

@@ -1,10 +1,12 @@
 """The server's engine side: one worker thread, a bounded queue, stop strings, per-request stats.
 
-The engine is synchronous and single-stream, so every generation runs on one thread in
-arrival order. HTTP handlers submit a `Job` and read its messages from an asyncio queue. Each
-job runs in the session the prompt cache gives it (the conversation sharing the longest
-prefix). A job cancelled by its client (disconnect) is closed at the next block boundary: the
-engine's `finally` blocks leave that session's caches exact, so the next request reuses them.
+Every generation runs on one engine thread. HTTP handlers submit a `Job` and read its messages
+from an asyncio queue. `Worker` runs jobs one at a time in arrival order, each in the session
+the prompt cache gives it (the conversation sharing the longest prefix); `BatchWorker`
+(batch_worker.py) decodes several at once. A job cancelled by its client (disconnect) is closed
+at the next block boundary: the engine's `finally` blocks leave that session's caches exact,
+so the next request reuses them. `Output` turns one job's block events into its messages
+(stop strings, log-probabilities, stats, TTFT and time per output token) on either path.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..generate import Session, stream_generate
 from ..speculate import SamplingParams, SpeculationConfig
@@ -95,6 +97,7 @@ class Job:
     loop: asyncio.AbstractEventLoop | None = None
     messages: asyncio.Queue | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    created: float = field(default_factory=time.perf_counter)  # TTFT counts from here
 
     def __post_init__(self):
         if self.loop is None:
@@ -126,10 +129,86 @@ def _finite(lp) -> float:
     return max(float(lp), -9999.0)
 
 
+@dataclass
+class Summary:
+    """Seconds summed over requests, and how many (a Prometheus summary without quantiles)."""
+
+    sum: float = 0.0
+    count: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.sum += seconds
+        self.count += 1
+
+
+class Output:
+    """One job's block events turned into its messages: stop strings, log-probabilities,
+    stats and timings. `feed` returns the finish reason once the job is over."""
+
+    def __init__(self, worker: Worker, job: Job):
+        self.worker, self.job = worker, job
+        self.stats, self.stop = Stats(), StopFilter(job.stop)
+        self.finish: str | None = None
+        self.eos = (set(getattr(worker.pair.tokenizer, "eos_token_ids", None) or [])
+                    if job.logprobs is not None else set())  # only log-probabilities look at ids
+        self.raw = self.emitted = 0  # characters generated (stop strings included) / sent
+        self.first = self.last = None  # when the first and the latest event came
+
+    def feed(self, ev) -> str | None:
+        job, worker = self.job, self.worker
+        self.last = time.perf_counter()
+        self.first = self.first or self.last
+        self.stats.add(ev)
+        with worker.lock:
+            worker.total.add(ev)
+        text, hit = self.stop.feed(ev.text)
+        if hit:
+            self.finish = "stop"
+        elif ev.finish_reason is not None:
+            text += self.stop.flush()
+            self.finish = ev.finish_reason
+        lps = None
+        if job.logprobs is not None and ev.logprobs is not None:
+            # a stop string cuts the text: keep the tokens that start before the cut
+            cut = self.emitted + len(text) if hit else None  # held text starts at `emitted`
+            lps = worker._token_logprobs(ev, self.eos, self.raw, cut)
+        self.raw += len(ev.text)
+        self.emitted += len(text)
+        # even empty: one chunk per block paces the client
+        job.emit(Delta(text, lps, len(ev.tokens)))
+        if self.finish is None and job.cancelled.is_set():
+            self.finish = "cancelled"
+        return self.finish
+
+    def done(self) -> Done:
+        """The job's Done; counts it, records its timings and logs them in one line."""
+        worker, stats, finish = self.worker, self.stats, self.finish or "stop"
+        ttft = tpot = None
+        with worker.lock:
+            worker.counts["cancelled" if finish == "cancelled" else "completed"] += 1
+            worker.latency["request"].add(time.perf_counter() - self.job.created)
+            if self.first is not None:
+                ttft = self.first - self.job.created
+                worker.latency["ttft"].add(ttft)
+            if stats.tokens > 1:  # the time between tokens after the first
+                tpot = (self.last - self.first) / (stats.tokens - 1)
+                worker.latency["tpot"].add(tpot)
+        log.info("request %s: %d prompt tokens (%d cached), %d generated, TTFT %s, "
+                 "per output token %s", finish, len(self.job.ids), stats.reused_tokens,
+                 stats.tokens, _seconds(ttft), _seconds(tpot))
+        return Done(finish, len(self.job.ids), stats.reused_tokens, stats.tokens,
+                    stats.as_dict())
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f} ms"
+
+
 class Worker:
     """Runs jobs one at a time on a dedicated thread, reusing conversations' caches."""
 
     group = None  # the mlx.distributed group under mlx.launch (`follower.Leader`)
+    max_batch = 1
 
     def __init__(self, pair, config: SpeculationConfig, queue_size: int = 64, *,
                  cache_slots: int = DEFAULT_SLOTS, cache_bytes: int | None = None):
@@ -141,7 +220,8 @@ class Worker:
         self.session: Session | None = None  # the running job's (`_generate` runs in it)
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
         self.total = Stats()  # every request since start, for /health (guarded by `lock`)
-        self.running = False
+        # submit to Done, submit to the first token, per token after it (guarded by `lock`)
+        self.latency = {"request": Summary(), "ttft": Summary(), "tpot": Summary()}
         self.closing = False
         self.current: Job | None = None
         self.lock = threading.Lock()
@@ -190,6 +270,27 @@ class Worker:
         return self.thread.is_alive()
 
     @property
+    def running(self) -> bool:
+        return self.current is not None or self.batch_size > 0
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences in the running batch (`BatchWorker`; 0 here)."""
+        return 0
+
+    def timings(self) -> dict[str, Summary]:
+        """The latency summaries since start (copies)."""
+        with self.lock:
+            return {k: replace(v) for k, v in self.latency.items()}
+
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait: the queue's share of the mean request time."""
+        with self.lock:
+            done = replace(self.latency["request"])
+        mean = done.sum / done.count if done.count else 1.0
+        return max(1, min(60, round(mean * max(self.queued, 1) / self.max_batch)))
+
+    @property
     def queued(self) -> int:
         return self.jobs.qsize()
 
@@ -212,28 +313,37 @@ class Worker:
 
     def _loop(self) -> None:
         while True:
-            job = self.jobs.get()
+            self._serve(self.jobs.get())
+
+    def _serve(self, job: Job) -> None:
+        """Run one job to its end in its prompt-cache session, then emit its last message."""
+        with self.lock:
+            self.current = job
+        try:
+            final = self._refused(job) or self._cached(job)
+        except Exception as e:  # never let one request end the worker
+            final = self._failed(e)
+        finally:
             with self.lock:
-                self.running, self.current = True, job
-            try:
-                if job.cancelled.is_set() or self.closing:
-                    self.counts["cancelled"] += 1
-                    final = (Failed(503, "the server is shutting down") if self.closing
-                             else Failed(499, "cancelled before it started"))
-                else:
-                    final = self._cached(job)
-            except DFlashError as e:
-                self.counts["failed"] += 1
-                final = Failed(400 if isinstance(e, InvalidArgumentError) else 500, str(e))
-            except Exception as e:  # never let one request end the worker
-                log.exception("generation failed")
-                self.counts["failed"] += 1
-                final = Failed(500, f"generation failed ({type(e).__name__}: {e})")
-            finally:
-                with self.lock:
-                    self.running, self.current = False, None
-            # after `running` is cleared: a client that has its answer sees the worker idle
-            job.emit(final)
+                self.current = None
+        # after `running` is cleared: a client that has its answer sees the worker idle
+        job.emit(final)
+
+    def _refused(self, job: Job) -> Failed | None:
+        """A job taken from the queue after its client left, or while shutting down."""
+        if not (job.cancelled.is_set() or self.closing):
+            return None
+        self.counts["cancelled"] += 1
+        return (Failed(503, "the server is shutting down") if self.closing
+                else Failed(499, "cancelled before it started"))
+
+    def _failed(self, e: Exception) -> Failed:
+        """A job's error as its answer: the engine's own errors say what went wrong."""
+        self.counts["failed"] += 1
+        if isinstance(e, DFlashError):
+            return Failed(400 if isinstance(e, InvalidArgumentError) else 500, str(e))
+        log.exception("generation failed")
+        return Failed(500, f"generation failed ({type(e).__name__}: {e})")
 
     def _cached(self, job: Job) -> Done:
         """`_run` in the session the prompt cache gives the job. A failed job's slot is dropped
@@ -266,38 +376,12 @@ class Worker:
         return out
 
     def _run(self, job: Job) -> Done:
-        stats, stop = Stats(), StopFilter(job.stop)
-        finish = None
-        eos = (set(getattr(self.pair.tokenizer, "eos_token_ids", None) or [])
-               if job.logprobs is not None else set())  # only log-probabilities look at ids
-        raw = emitted = 0  # characters generated (stop strings included) / sent to the client
+        out = Output(self, job)
         gen = self._generate(job)
         try:
             for ev in gen:
-                stats.add(ev)
-                with self.lock:
-                    self.total.add(ev)
-                text, hit = stop.feed(ev.text)
-                if hit:
-                    finish = "stop"
-                elif ev.finish_reason is not None:
-                    text += stop.flush()
-                    finish = ev.finish_reason
-                lps = None
-                if job.logprobs is not None and ev.logprobs is not None:
-                    # a stop string cuts the text: keep the tokens that start before the cut
-                    cut = emitted + len(text) if hit else None  # held text starts at `emitted`
-                    lps = self._token_logprobs(ev, eos, raw, cut)
-                raw += len(ev.text)
-                emitted += len(text)
-                # even empty: one chunk per block paces the client
-                job.emit(Delta(text, lps, len(ev.tokens)))
-                if finish is None and job.cancelled.is_set():
-                    finish = "cancelled"
-                if finish is not None:
+                if out.feed(ev) is not None:
                     break
         finally:
             gen.close()  # stops at this block boundary; the engine leaves the caches exact
-        self.counts["cancelled" if finish == "cancelled" else "completed"] += 1
-        return Done(finish or "stop", len(job.ids), stats.reused_tokens, stats.tokens,
-                    stats.as_dict())
+        return out.done()
