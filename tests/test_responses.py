@@ -165,7 +165,7 @@ def test_settings_translate_to_chat_fields():
     ({"frobnicate": 1}, "frobnicate", "frobnicate"),
     ({"truncation": "auto"}, "truncation", "truncation"),
     ({"include": ["message.output_text.logprobs"]}, "include", "logprobs"),
-    ({"include": ["message.output_text.logprobs"]}, "include", "logprobs"),
+    ({"stream_options": {"include_obfuscation": True}}, "stream_options", "stream_options"),
     ({"reasoning": {"summary": "detailed"}}, "reasoning", "detailed"),
     ({"reasoning": {"effort": "huge"}}, "reasoning", "effort"),
     ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice", "web_search_preview"),

@@ -51,7 +51,8 @@ FIELDS = {
     "background": _off(False),
     "safety_identifier": _any, "prompt_cache_key": _any,  # prompts are cached anyway
     "client_metadata": _any,  # Codex CLI's session and turn ids
-    "stream_options": _any,  # include_obfuscation: no padding field is ever added
+    # no obfuscation padding is ever added: asking for it is refused, not ignored
+    "stream_options": lambda v: isinstance(v, dict) and not v.get("include_obfuscation", False),
     "service_tier": _off("auto", "default"),
     "top_logprobs": _off(0),
     "max_tool_calls": _off(),
