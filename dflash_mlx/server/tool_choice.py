@@ -53,6 +53,6 @@ def _call_schema(fn: dict) -> dict:
 def _literal(tokenizer, text: str) -> str:
     """A marker in the grammar: its token when the vocabulary has it as one (llguidance
     matches added tokens by id, not by their text), else the text."""
-    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    token = vocab.get(text)
-    return f"<[{token}]>" if token is not None else json.dumps(text)
+    token = tokenizer.convert_tokens_to_ids(text)  # an unknown text maps to the unk id or None
+    whole = token is not None and tokenizer.convert_ids_to_tokens(token) == text
+    return f"<[{token}]>" if whole else json.dumps(text)
