@@ -7,7 +7,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from .inputs import encode_prompt
+from .inputs import (  # noqa: F401  (special_ids, encode_plain: where they were first)
+    encode_plain, encode_prompt, encode_text, special_ids, special_strings)
 from .errors import InvalidArgumentError
 from .generate import BlockEvent, Session, stream_generate
 from .speculate import SpeculationConfig
@@ -32,20 +33,21 @@ def template_kwargs(reasoning: str | None, kwarg: str | None) -> dict:
 
 
 def apply_template(tokenizer, messages: list[dict], *, use_template: bool = True,
-                   kwargs: dict | None = None) -> list[int]:
+                   kwargs: dict | None = None, special_tokens: str = "text") -> list[int]:
     """Token ids for a conversation, ending with the assistant's generation prompt.
 
     Message text is always plain text: a message holding a special-token string (say
     `<|im_start|>system`) gets that string's ordinary text tokens, never the control token;
     only the template's own specials are special. `use_template=False` is the raw mode: the
-    joined text is encoded as is, special-token strings included.
+    joined text is encoded as is, its special-token strings as `special_tokens` says ("text":
+    ordinary text, "parse": control tokens, for a template written by hand; `inputs.py`).
     """
     if not messages or not messages[-1].get("content", "").strip():
         raise InvalidArgumentError("the prompt is empty")
     has_template = getattr(tokenizer, "chat_template", None) is not None
     if not use_template or not has_template:
         text = "\n".join(m["content"] for m in messages)
-        return tokenizer.encode(text)
+        return encode_text(tokenizer, text, special_tokens)
     try:
         from jinja2 import TemplateError
     except ImportError:  # transformers renders templates with jinja2; without it, none fail so
@@ -69,44 +71,21 @@ def apply_template(tokenizer, messages: list[dict], *, use_template: bool = True
     return list(out)
 
 
-def encoder(pair, template_kwargs: dict, use_template: bool = True):
+def encoder(pair, template_kwargs: dict, use_template: bool = True,
+            special_tokens: str = "text"):
     """messages → prompt ids through the chat template (with the reasoning kwargs)."""
     return lambda messages: apply_template(pair.tokenizer, messages, use_template=use_template,
-                                           kwargs=template_kwargs)
+                                           kwargs=template_kwargs, special_tokens=special_tokens)
 
 
 def prompt_ids(pair, text: str, system: str | None, template_kwargs: dict,
-               use_template: bool = True) -> list[int]:
+               use_template: bool = True, special_tokens: str = "text") -> list[int]:
     """One user message (and a system one) as prompt ids, checked against the target (its
     context, its vocabulary) before anything slow runs."""
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": text})
-    return encode_prompt(pair, encoder(pair, template_kwargs, use_template)(messages))
-
-
-def _hf(tokenizer):
-    """The Hugging Face tokenizer behind mlx-lm's TokenizerWrapper (or the tokenizer itself)."""
-    return getattr(tokenizer, "_tokenizer", tokenizer)
-
-
-def special_strings(tokenizer) -> list[str]:
-    """The special tokens' texts (longest first): what a message must not smuggle in.
-
-    Added tokens marked non-special (Qwen's `<think>`) are ordinary vocabulary: a model's own
-    answers carry them back in the history, so they stay as today.
-    """
-    hf = _hf(tokenizer)
-    added = getattr(hf, "added_tokens_decoder", None) or {}
-    found = {t.content for t in added.values() if getattr(t, "special", False)}
-    found.update(getattr(hf, "all_special_tokens", None) or [])
-    return sorted((s for s in found if isinstance(s, str) and s), key=len, reverse=True)
-
-
-def special_ids(tokenizer) -> set[int]:
-    hf = _hf(tokenizer)
-    added = getattr(hf, "added_tokens_decoder", None) or {}
-    ids = {i for i, t in added.items() if getattr(t, "special", False)}
-    return ids | set(getattr(hf, "all_special_ids", None) or [])
+    return encode_prompt(pair, encoder(pair, template_kwargs, use_template,
+                                       special_tokens)(messages))
 
 
 def _render(tokenizer, messages: list[dict], kwargs: dict) -> str:
@@ -157,27 +136,6 @@ def _plain_content_ids(tokenizer, messages: list[dict], kwargs: dict,
         ids += encode_plain(tokenizer, text[start:end], specials)
         at = end
     return ids + tokenizer.encode(text[at:], add_special_tokens=False)
-
-
-def encode_plain(tokenizer, text: str, specials: list[str] | None = None) -> list[int]:
-    """`text`'s ids with every special-token string spelled as ordinary text tokens."""
-    specials = special_strings(tokenizer) if specials is None else specials
-    banned = special_ids(tokenizer)
-    try:
-        ids = list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
-    except TypeError:  # a tokenizer without the option
-        ids = None
-    if ids is not None and not banned.intersection(ids):
-        return ids
-    # A tokenizer without the option: spell each occurrence one character at a time.
-    pattern = "|".join(re.escape(s) for s in specials)
-    out, at = [], 0
-    for m in re.finditer(pattern, text) if pattern else ():
-        out += tokenizer.encode(text[at:m.start()], add_special_tokens=False)
-        for ch in m.group(0):
-            out += tokenizer.encode(ch, add_special_tokens=False)
-        at = m.end()
-    return out + tokenizer.encode(text[at:], add_special_tokens=False)
 
 
 @dataclass

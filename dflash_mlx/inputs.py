@@ -7,6 +7,12 @@ comes from, before anything is loaded or decoded. (Sampling settings check thems
 Text policy: prompts, system prompts and request bodies must be valid UTF-8 / Unicode. Text that
 is not (a stray byte, a lone surrogate) is refused with its position, never replaced with U+FFFD:
 a silently altered prompt gives an answer to a question nobody asked.
+
+Special tokens: text is text. A special-token string in a raw prompt (say `<|im_end|>`) is
+spelled with ordinary text tokens unless the caller asks to parse it (`special_tokens="parse"`:
+a template written by hand); through the chat template, message text is always plain
+(`chat.apply_template`). The CLI's and the server's `--special-tokens` choose; both default to
+text, so nothing a client sends becomes a control token unless the operator allows it.
 """
 
 from __future__ import annotations
@@ -55,10 +61,88 @@ def check_text(text: str, what: str, from_bytes: bool = False) -> str:
                                f"character {i})")
 
 
-def encode_prompt(pair, prompt: str | list[int]) -> list[int]:
+SPECIAL_TOKENS = ("text", "parse")
+
+
+def check_special_tokens(mode: str, what: str = "--special-tokens") -> str:
+    if mode not in SPECIAL_TOKENS:
+        raise InvalidArgumentError(f"{what} must be text or parse, got {mode!r}")
+    return mode
+
+
+def _hf(tokenizer):
+    """The Hugging Face tokenizer behind mlx-lm's TokenizerWrapper (or the tokenizer itself)."""
+    return getattr(tokenizer, "_tokenizer", tokenizer)
+
+
+def special_strings(tokenizer) -> list[str]:
+    """The special tokens' texts (longest first): what plain text must not smuggle in.
+
+    Added tokens marked non-special (Qwen's `<think>`) are ordinary vocabulary: a model's own
+    answers carry them back in the history, so they stay as they are.
+    """
+    hf = _hf(tokenizer)
+    added = getattr(hf, "added_tokens_decoder", None) or {}
+    found = {t.content for t in added.values() if getattr(t, "special", False)}
+    found.update(getattr(hf, "all_special_tokens", None) or [])
+    return sorted((s for s in found if isinstance(s, str) and s), key=len, reverse=True)
+
+
+def special_ids(tokenizer) -> set[int]:
+    hf = _hf(tokenizer)
+    added = getattr(hf, "added_tokens_decoder", None) or {}
+    ids = {i for i, t in added.items() if getattr(t, "special", False)}
+    return ids | set(getattr(hf, "all_special_ids", None) or [])
+
+
+def encode_plain(tokenizer, text: str, specials: list[str] | None = None) -> list[int]:
+    """`text`'s ids (no BOS) with every special-token string spelled as ordinary text tokens."""
+    specials = special_strings(tokenizer) if specials is None else specials
+    banned = special_ids(tokenizer)
+    try:
+        ids = list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+    except TypeError:  # a tokenizer without the option
+        ids = None
+    if ids is not None and not banned.intersection(ids):
+        return ids
+    # A tokenizer without the option: spell each occurrence one character at a time.
+    pattern = "|".join(re.escape(s) for s in specials)
+    out, at = [], 0
+    for m in re.finditer(pattern, text) if pattern else ():
+        out += tokenizer.encode(text[at:m.start()], add_special_tokens=False)
+        for ch in m.group(0):
+            out += tokenizer.encode(ch, add_special_tokens=False)
+        at = m.end()
+    return out + tokenizer.encode(text[at:], add_special_tokens=False)
+
+
+def _frame(tokenizer) -> tuple[list[int], list[int]]:
+    """What the tokenizer puts before and after any text it encodes (a BOS, say)."""
+    framed = list(tokenizer.encode("x"))
+    bare = list(tokenizer.encode("x", add_special_tokens=False))
+    for i in range(len(framed) - len(bare) + 1):
+        if framed[i:i + len(bare)] == bare:
+            return framed[:i], framed[i + len(bare):]
+    return list(tokenizer.encode("")), []
+
+
+def encode_text(tokenizer, text: str, special_tokens: str = "text") -> list[int]:
+    """A raw prompt's ids, framed as the tokenizer frames text (its BOS). `special_tokens`:
+    "text" spells special-token strings as ordinary text; "parse" makes them control tokens."""
+    if check_special_tokens(special_tokens, "special_tokens") == "parse":
+        return list(tokenizer.encode(text))
+    if not any(s in text for s in special_strings(tokenizer)):
+        return list(tokenizer.encode(text))  # nothing to spell: the tokenizer's own ids
+    before, after = _frame(tokenizer)
+    return before + encode_plain(tokenizer, text) + after
+
+
+def encode_prompt(pair, prompt: str | list[int], special_tokens: str = "text") -> list[int]:
+    """A prompt's ids (a string through `encode_text`), checked against the target: not empty,
+    inside its context and its vocabulary."""
     if isinstance(prompt, str):
         check_text(prompt, "the prompt")
-        ids = pair.tokenizer.encode(prompt) if prompt else []
+        ids = encode_text(pair.tokenizer, prompt, special_tokens) if prompt else []
     else:
         ids = [int(t) for t in prompt]
     if not ids:

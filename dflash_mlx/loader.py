@@ -12,14 +12,18 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import distributed
+from . import bounds, distributed
 from .models.config import DraftConfig
 from .models.dflash import DFlashDraftModel
 from .models.draft_vocab import read as vocab_ids
 from .cpu.policy import DRAFT_BITS, auto_draft_bits, weights_dtype
-from .errors import CheckpointError, DFlashError, ModelNotFoundError, PairMismatchError
+from .errors import CheckpointError, ConfigError, DFlashError, ModelNotFoundError, PairMismatchError
 from .models.hybrid import target_for
 from .models.target import Target
+from .models.target_config import check_target_folder
+from .template_probe import check_template
+from . import machine
+from .paths import expand
 
 # Never *.py (no remote code) and never *.bin / *.pt (no pickle).
 MODEL_PATTERNS = ["*.safetensors", "*.json", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt"]
@@ -48,7 +52,7 @@ class Pair:
 def resolve(path_or_repo: str | os.PathLike, patterns: list[str], revision: str | None = None,
             progress: bool = True) -> Path:
     """A local folder/file, or a Hub repo fetched with narrow `allow_patterns`."""
-    path = Path(path_or_repo).expanduser()
+    path = expand(path_or_repo)
     if path.exists():
         return path
     name = str(path_or_repo)
@@ -167,23 +171,47 @@ def load_target(path: Path, lazy: bool = False) -> tuple[nn.Module, object]:
     if path.is_file() and path.suffix == ".gguf":
         from .gguf.reader import load_gguf
 
-        return load_gguf(path)
+        model, tokenizer = load_gguf(path)
+        check_template(tokenizer, f"{path}: tokenizer.chat_template")
+        return model, tokenizer
     if not (path / "config.json").exists():
         raise ModelNotFoundError(f"{path}: no config.json (not an mlx-lm model folder or .gguf file)")
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise CheckpointError(f"{path}/config.json: not valid JSON ({str(e)[:120]})") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path}/config.json: expected a JSON object, "
-                              f"got {type(raw).__name__}")
+    # every field mlx-lm and transformers would trip over, typed and bounded before they read it
+    bounds.fits(f"{path}: loading the target", check_target_folder(path),
+                machine.memory_limit_bytes())
     from mlx_lm.utils import load as mlx_load
 
     try:
-        return mlx_load(str(path), lazy=lazy)  # lazy: a rank reads only its shard's slices
+        model, tokenizer = mlx_load(str(path), lazy=lazy)  # lazy: a rank reads only its shard
     except (ValueError, FileNotFoundError, KeyError, RuntimeError) as e:  # mx.load: corrupt file
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise CheckpointError(f"{path}: cannot load target ({msg})") from None
+        raise CheckpointError(f"{path}: cannot load target ({_first_line(e)})") from None
+    except (TypeError, ArithmeticError) as e:  # a field of an architecture not checked above
+        raise ConfigError(f"{path}/config.json: mlx-lm cannot build this model from it "
+                          f"({_first_line(e)})") from None
+    check_template(tokenizer, str(_template_file(path)))
+    return model, tokenizer
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _template_file(folder: Path) -> Path:
+    """Where transformers read the chat template from: its own file, else the tokenizer
+    config."""
+    jinja = folder / "chat_template.jinja"
+    return jinja if jinja.exists() else folder / "tokenizer_config.json"
+
+
+def _dense_bytes(model: nn.Module, dtype) -> int:
+    """The model's weights once `convert_weights` has made them dense `dtype` (nothing is
+    allocated to count them)."""
+    n = 0
+    for _, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            n += m.weight.size * 32 // m.bits - m.weight.size  # packed words → values
+    n += sum(v.size for _, v in tree_flatten(model.parameters()))
+    return n * dtype.size
 
 
 def check_pair(target: Target, cfg: DraftConfig) -> None:
@@ -242,6 +270,9 @@ def load(
     group = distributed.world() if shard else None
     model, tokenizer = load_target(t_path, lazy=group is not None)
     if dtype is not None:
+        name = "float32" if dtype == mx.float32 else "bfloat16"
+        bounds.fits(f"the target as dense {name} (--weights quantized keeps it as stored)",
+                    _dense_bytes(model, dtype), machine.memory_limit_bytes())
         convert_weights(model, dtype)
     if group is not None:
         tgt = distributed.sharded_target(distributed.shard(model, group), group)

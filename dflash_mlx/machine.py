@@ -10,6 +10,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .bounds import rlimit_bytes
 from .cpu import blas
 
 
@@ -31,11 +32,15 @@ def memory_gb() -> dict:
     """Total and available RAM in GB (and the GPU working set MLX recommends, on Metal)."""
     out: dict = {"total_gb": None, "available_gb": None}
     if sys.platform.startswith("linux"):
-        info = {}
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, _, rest = line.partition(":")
-            info[key] = int(rest.split()[0]) * 1024
-        out = {"total_gb": info["MemTotal"] / 1e9, "available_gb": info["MemAvailable"] / 1e9}
+        try:
+            info = {}
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                key, _, rest = line.partition(":")
+                if rest.split():
+                    info[key] = int(rest.split()[0]) * 1024
+            out = {"total_gb": info["MemTotal"] / 1e9, "available_gb": info["MemAvailable"] / 1e9}
+        except (OSError, ValueError, KeyError):  # no /proc (a sandbox): unknown, not fatal
+            pass
     elif sys.platform == "darwin":
         try:
             total = int(subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True,
@@ -52,6 +57,16 @@ def memory_gb() -> dict:
     if "max_recommended_working_set_size" in info:
         out["gpu_working_set_gb"] = info["max_recommended_working_set_size"] / 1e9
     return out
+
+
+def memory_limit_bytes() -> int | None:
+    """The most memory this process can hold: RAM, the GPU working set MLX recommends and any
+    memory rlimit, whichever is smallest (None: none of them is known)."""
+    mem = memory_gb()
+    known = [int(mem[k] * 1e9) for k in ("total_gb", "gpu_working_set_gb") if mem.get(k)]
+    if (limit := rlimit_bytes()) is not None:  # ulimit -v / -d
+        known.append(limit)
+    return min(known) if known else None
 
 
 def device() -> str:

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import ConfigError, InvalidArgumentError, ModelNotFoundError
+from . import paths
+from .paths import expand
 
 BUNDLED = Path(__file__).parent / "data" / "models.toml"  # a link to the repo's models.toml
 USER_ENV = "DFLASH_MLX_MODELS"
@@ -151,15 +153,8 @@ def entries() -> dict[str, Entry]:
     case-insensitively); keyed by lower-case name."""
     out = read(BUNDLED)
     if extra := os.environ.get(USER_ENV):
-        out.update(read(_user_path(extra)))
+        out.update(read(expand(extra, f"{USER_ENV}=")))
     return out
-
-
-def _user_path(value: str) -> Path:
-    try:
-        return Path(value).expanduser()
-    except RuntimeError:  # ~user with no such user: report the path as given
-        return Path(value)
 
 
 def find(name: str) -> Entry | None:
@@ -194,7 +189,7 @@ def _text(path: Path) -> str:
 
 def _repo_of(target: str) -> str:
     """`org/name` for a repo id or a path inside the HF cache; else the string itself."""
-    m = _SNAPSHOT.search(str(Path(target).expanduser().resolve())) if "/" in target else None
+    m = _SNAPSHOT.search(str(expand(target).resolve())) if "/" in target else None
     return f"{m.group(1)}/{m.group(2)}" if m else target
 
 
@@ -217,7 +212,7 @@ def _looks_like_path(name: str) -> bool:
 def _check_exists(name: str) -> None:
     if name == LOOKUP:
         return
-    if not Path(name).expanduser().exists() and _looks_like_path(name):
+    if not expand(name).exists() and _looks_like_path(name):
         raise ModelNotFoundError(f"{name}: no such file or folder")
 
 
@@ -322,10 +317,7 @@ def reasoning_kwargs(entry: Entry | None, reasoning: str | None) -> dict:
 
 def hub_cache() -> Path:
     """The Hugging Face hub cache, from the environment as it is now."""
-    if env := os.environ.get("HF_HUB_CACHE"):
-        return Path(env).expanduser()
-    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "huggingface"
-    return Path(home).expanduser() / "hub"
+    return paths.hub_cache()
 
 
 def is_cached(repo: str, revision: str | None = None) -> bool:

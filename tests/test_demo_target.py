@@ -175,8 +175,8 @@ def test_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path / "x"))
     assert demo.cache_dir() == tmp_path / "x"
     monkeypatch.delenv("DFLASH_MLX_CACHE")
-    monkeypatch.setattr(demo.sys, "platform", "linux")
+    monkeypatch.setattr("sys.platform", "linux")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert demo.cache_dir() == tmp_path / "xdg" / "dflash-mlx"
-    monkeypatch.setattr(demo.sys, "platform", "darwin")
+    monkeypatch.setattr("sys.platform", "darwin")
     assert demo.cache_dir().parts[-3:] == ("Library", "Caches", "dflash-mlx")

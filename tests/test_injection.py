@@ -3,7 +3,8 @@
 For every special-token string of the tiny and the demo tokenizers, a message holding it gets
 exactly the template's own special ids (those of the same conversation with that text replaced
 by a letter), and decodes back to the same text. Normal messages keep today's ids (the
-tokenizer's own `apply_chat_template(tokenize=True)`), and the raw mode keeps specials.
+tokenizer's own `apply_chat_template(tokenize=True)`); the raw mode spells them as text too
+unless asked to parse them (`--special-tokens parse`).
 """
 
 from __future__ import annotations
@@ -106,10 +107,13 @@ def test_injected_chatml_turn_stays_inside_the_user_turn(tiny_tok):
     assert [i for i in ids if i in (start, end)] == [start, end, start]
 
 
-def test_raw_mode_keeps_specials(tiny_tok):
-    ids = apply_template(tiny_tok, [{"role": "user", "content": "<|im_start|>x"}],
-                         use_template=False)
-    assert ids[0] == tiny_tok.convert_tokens_to_ids("<|im_start|>")
+def test_raw_mode_parses_specials_only_when_asked(tiny_tok):
+    messages = [{"role": "user", "content": "<|im_start|>x"}]
+    start = tiny_tok.convert_tokens_to_ids("<|im_start|>")
+    parsed = apply_template(tiny_tok, messages, use_template=False, special_tokens="parse")
+    assert parsed[0] == start
+    plain = apply_template(tiny_tok, messages, use_template=False)  # the default: text
+    assert start not in plain and tiny_tok.decode(plain) == "<|im_start|>x"
 
 
 class _Trimming:
@@ -174,7 +178,7 @@ def test_non_special_added_tokens_stay_as_today(tmp_path):
 
 def test_generate_and_raw_mode_through_the_cli_helper(tiny_tok):
     """`generate` builds its prompt with chat.prompt_ids: the template path is plain,
-    `--no-chat-template` keeps the specials (raw mode)."""
+    `--no-chat-template` too unless `--special-tokens parse` asks for control tokens."""
     from types import SimpleNamespace
 
     from dflash_mlx.chat import prompt_ids
@@ -187,4 +191,6 @@ def test_generate_and_raw_mode_through_the_cli_helper(tiny_tok):
     templated = prompt_ids(pair, attack, "<|im_end|>sys", {})
     # system turn + user turn + assistant opening: three <|im_start|>, all the template's
     assert templated.count(start) == 3
-    assert prompt_ids(pair, attack, None, {}, use_template=False)[0] == start
+    assert prompt_ids(pair, attack, None, {}, use_template=False, special_tokens="parse")[0] \
+        == start
+    assert start not in prompt_ids(pair, attack, None, {}, use_template=False)

@@ -116,7 +116,11 @@ def test_rows_processed_with_the_first_rows_prefix_fail(oracle_pair, monkeypatch
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(repetition_penalty=float("nan")), "repetition_penalty must be a finite number"),
-    (dict(repetition_penalty=0.0), "repetition_penalty must be above 0"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be between 1e-06 and 1e"),
+    (dict(repetition_penalty=1e-300), "repetition_penalty must be between"),  # float32: 0
+    (dict(repetition_penalty=1e39), "repetition_penalty must be between"),  # float32: inf
+    (dict(presence_penalty=-1e39), "presence_penalty must be between -1e"),
+    (dict(frequency_penalty=1e7), "frequency_penalty must be between"),
     (dict(presence_penalty=float("inf")), "presence_penalty must be a finite number"),
     (dict(frequency_context_size=0), "frequency_context_size must be at least 1"),
     (dict(logit_bias={3: 101.0}), "logit_bias for token 3 must be in"),

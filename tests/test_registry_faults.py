@@ -34,7 +34,7 @@ FAULTS = [
     ("utf-16", ENTRY.encode("utf-16"), "not UTF-8 text (byte 0xff at offset 0)"),
     ("folder", "<folder>", "is a folder; the model registry is a TOML file"),
     ("missing", "<missing>", "model registry not found"),
-    ("unknown-home", "<~user>", "model registry not found"),
+    ("unknown-home", "<~user>", "there is no user named"),  # named as the variable holds it
     ("device", "<devnull>", "not a regular file"),
     ("over-1-mib", "# padding\n" * 120_000, "over 1 MiB"),
     ("unknown-top-level-key", ENTRY + "[settings]\ncolour = 1\n",
@@ -121,7 +121,8 @@ def test_registry_fault_is_one_line_naming_the_file(tmp_path, monkeypatch, comma
     r = CliRunner().invoke(app, COMMANDS[command])
     assert r.exit_code == 2, (r.output, r.exception)
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: {path}: "), r.stderr
+    shown = f"{registry.USER_ENV}={path}" if content == "<~user>" else path
+    assert len(lines) == 1 and lines[0].startswith(f"error: {shown}: "), r.stderr
     assert expected in lines[0], lines[0]
     assert "Traceback" not in r.output and r.stdout == ""
 

@@ -106,6 +106,7 @@ def test_run_chat_ends_with_2_and_the_reason_when_the_pair_never_loaded(
     ended = []
     monkeypatch.setattr(tui.app, "ChatApp", App)
     monkeypatch.setattr(launch.os, "_exit", ended.append)
+    monkeypatch.setattr(launch, "terminal_problem", lambda: None)  # pytest captures the streams
     launch.run_chat(ChatSettings(), loader=None)
     assert ended == [code]
     err = capsys.readouterr().err

@@ -44,6 +44,19 @@ def registry_loader(settings: ChatSettings, wanted: EngineSettings = EngineSetti
     return loader
 
 
+def terminal_problem() -> str | None:
+    """Why the chat app cannot run here (None: it can). It draws on the terminal and reads
+    keys from it: without one (a pipe, a file, cron) it would write escape codes into a file
+    and wait for keys forever."""
+    missing = [name for name, stream in (("stdin", sys.stdin), ("stdout", sys.stdout))
+               if stream is None or not stream.isatty()]
+    if not missing:
+        return None
+    return (f"chat needs a terminal, but {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not one: run it in a terminal, or use "
+            "`dflash-mlx generate` for a one-shot answer")
+
+
 def run_chat(settings: ChatSettings, loader: Callable, *, resume: bool = False,
              baseline_tps: float | None = None) -> NoReturn:
     """Run the chat app until the user quits, then end the process with its exit code.
@@ -54,6 +67,9 @@ def run_chat(settings: ChatSettings, loader: Callable, *, resume: bool = False,
     transcript is saved (after each turn), so nothing is left for the interpreter's own
     teardown to do: the process ends at once.
     """
+    if (problem := terminal_problem()) is not None:  # before the app takes the terminal
+        sys.stderr.write(f"error: {problem}\n")
+        raise SystemExit(2)
     from .app import ChatApp
 
     app = ChatApp(loader=loader, settings=settings, resume=resume, baseline_tps=baseline_tps)

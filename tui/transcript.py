@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from dflash_mlx.paths import user_dir
 
 FORMAT_VERSION = 1
 
@@ -24,12 +25,7 @@ def data_dir() -> Path:
     `$DFLASH_MLX_DATA` if set, else `~/Library/Application Support/dflash-mlx` on macOS and
     `$XDG_DATA_HOME/dflash-mlx` (default `~/.local/share/dflash-mlx`) elsewhere.
     """
-    if override := os.environ.get("DFLASH_MLX_DATA"):
-        return Path(override).expanduser()
-    if sys.platform == "darwin":
-        return Path.home() / "Library" / "Application Support" / "dflash-mlx"
-    xdg = os.environ.get("XDG_DATA_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".local" / "share") / "dflash-mlx"
+    return user_dir("data")
 
 
 def chats_dir() -> Path:

@@ -53,11 +53,10 @@ def load_prompt_file(path: Path) -> tuple[dict, list[list[str]]]:
     (user turns in order) or `messages` (chat messages; the user turns are kept, as every later
     turn follows the AR answer to the one before, like the bundled multi-turn sets).
     """
+    from ..input_files import read_bytes
+
     where = f"--prompts {path}"
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as e:
-        raise InvalidArgumentError(f"{where}: cannot read ({e.strerror or e})") from None
+    raw = read_bytes(path, "--prompts")  # a FIFO or a folder: one line, never a wait
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -17,6 +17,7 @@ import mlx.nn as nn
 import typer
 
 from . import render
+from .. import bounds
 from ..cpu import blas
 from ..errors import InvalidArgumentError
 from ..loader import DRAFT_GROUP_SIZE, Pair, _quantizable, convert_weights, pair_from_models, weights_dtype
@@ -106,15 +107,20 @@ def run(*, model, draft, no_draft, draft_bits, weights, shape, tau, repeats, con
     size and the tree budget it recommends."""
     from .. import engine, machine as facts
     from ..cpu import cost
+    from ..models.target import _text_args
     from ..speculate.rounds import tree_unavailable
 
     _check(shape, tau, repeats, context, seconds)
     engine.check(engine.EngineSettings(draft_bits=draft_bits, weights=weights))
+    if model is None:  # a built-in shape: checked before anything is printed or built
+        dense = weights_dtype(weights)
+        _check_context(SHAPES[shape], context, "float32" if dense == mx.float32 else "other")
     say = None if as_json else render.progress
     report = {"versions": facts.versions(), "machine": facts.machine(), "blas": blas_report()}
     if say:
         render.machine(report)
     pair, key, subject, block = _subject(model, draft, no_draft, draft_bits, weights, shape, say)
+    _check_context(_text_args(getattr(pair.target, "model", None)), context, pair.weights)
     if remeasure:
         _forget(key if model is not None else None, say)
     no_tree = tree_unavailable(pair)
@@ -147,13 +153,26 @@ def _check(shape, tau, repeats, context, seconds) -> None:
 
     if shape not in SHAPES:
         raise InvalidArgumentError(f"--shape must be one of {', '.join(SHAPES)}, got {shape!r}")
-    if repeats < 1 or context < 1:
-        raise InvalidArgumentError("--repeats and --context must be at least 1")
-    if seconds < 0:
-        raise InvalidArgumentError(f"--seconds must be at least 0, got {seconds:g}")
-    if not 1 <= tau <= cost.TAU_BLOCK:
+    bounds.count("--repeats", repeats)
+    bounds.count("--context", context)
+    bounds.number("--seconds", seconds, 0)
+    if not 1 <= tau <= cost.TAU_BLOCK:  # nan fails this too
         raise InvalidArgumentError(f"--tau is τ at block {cost.TAU_BLOCK}: between 1 and "
                                    f"{cost.TAU_BLOCK}, got {tau:g}")
+
+
+def _check_context(args: dict, context: int, weights: str) -> None:
+    """--context against the target's config `args`: within its context, and its prefill
+    within memory (an MLX allocation past either would segfault or abort, not raise)."""
+    limit = args.get("max_position_embeddings")
+    if limit and context >= limit:
+        raise InvalidArgumentError(f"--context must be below the target's context of {limit} "
+                                   f"tokens, got {context}")
+    wide = bounds.forward_bytes(args, context, 4 if weights == "float32" else 2)
+    from ..machine import memory_limit_bytes
+
+    bounds.fits(f"--context {context} (one prefill of {context} tokens)", wide,
+                memory_limit_bytes())
 
 
 def _subject(model, draft, no_draft, draft_bits, weights, shape, say):

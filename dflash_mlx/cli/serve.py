@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import time
 from pathlib import Path
@@ -15,8 +16,9 @@ from pathlib import Path
 import typer
 
 from . import render
-from .. import engine
+from .. import bounds, engine
 from ..errors import DFlashError, InvalidArgumentError
+from ..inputs import check_special_tokens
 from ..speculate.sampling import SamplingParams
 
 BACKENDS = ("local", "openai")
@@ -57,7 +59,7 @@ def remote_generate(base_url: str, api_key: str | None, model: str | None, text:
     if not use_template and system:
         raise InvalidArgumentError("--system-prompt needs the chat template (drop "
                                    "--no-chat-template)")
-    client = OpenAIClient(base_url, api_key)
+    client = OpenAIClient(base_url, given_key(api_key))
     prompt = _messages(text, system) if use_template else text
     stream = client.stream(prompt, model=model, template_kwargs=reasoning_kwargs(None, reasoning),
                            meta_info=True, **request_fields(params, max_tokens))
@@ -92,10 +94,10 @@ def remote_benchmark(base_url: str, api_key: str | None, model: str | None, data
         raise InvalidArgumentError("--concurrency must be at least 1")
     metas, items = bench.select_prompts(dataset, prompts, num_prompts)
     if out is not None:
-        render.EventsWriter(out, "--out").close()  # fail now, not after the run
+        render.check_output(out, "--out")  # fail now, not after the run
     # the first user turn of each item: the server's own answers would make turns 2+ differ
     sets = {n: [_messages(turns[0], None) for turns in found] for n, found in items.items()}
-    client = OpenAIClient(base_url, api_key)
+    client = OpenAIClient(base_url, given_key(api_key))
     fields = request_fields(params, max_tokens)
     runs = run_benchmark(client, sets, model=model, concurrency=concurrency, sampling=fields,
                          template_kwargs=reasoning_kwargs(None, reasoning), progress=render.note)
@@ -112,6 +114,20 @@ def remote_benchmark(base_url: str, api_key: str | None, model: str | None, data
         render.note(f"card written to {out}")
 
 
+def given_key(api_key: str | None) -> str | None:
+    """--api-key or $DFLASH_MLX_API_KEY, checked (`server/auth.py`). Click reads a variable
+    that is set but empty as unset; here it is refused, so a key variable that lost its value
+    never turns authentication off unnoticed."""
+    from ..server.auth import ENV, check_key
+
+    if api_key is None:
+        if os.environ.get(ENV) == "":
+            raise InvalidArgumentError(f"${ENV} is set but empty: set the key, or unset the "
+                                       "variable to go without one")
+        return None
+    return check_key(api_key, f"${ENV}" if os.environ.get(ENV) == api_key else "--api-key")
+
+
 def check_options(*, host: str, port: int, api_key: str | None, queue_size: int,
                   log_level: str, cache_slots: int = 4, cache_bytes: str | None = None,
                   max_batch: int | None = None) -> None:
@@ -122,11 +138,7 @@ def check_options(*, host: str, port: int, api_key: str | None, queue_size: int,
         raise InvalidArgumentError(f"--max-batch must be between 1 and 256, got {max_batch}")
     if log_level not in LOG_LEVELS:
         raise InvalidArgumentError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
-    if api_key is not None and not api_key.strip():
-        raise InvalidArgumentError("--api-key is empty")
-    if api_key is not None and not all(33 <= ord(c) < 127 for c in api_key.strip()):
-        raise InvalidArgumentError("--api-key must be printable ASCII without spaces (HTTP "
-                                   "clients send headers as ASCII)")
+    given_key(api_key)
     if not 0 <= port <= 65535:
         raise InvalidArgumentError(f"--port must be between 0 and 65535, got {port}")
     if cache_slots < 1:
@@ -166,7 +178,8 @@ def serve(spec, settings: engine.EngineSettings, *, host: str, port: int, api_ke
           model_name: str | None, queue_size: int, log_level: str, max_tokens: int,
           sampling: SamplingParams, client_templates: bool,
           allowed_origins: str | None = None, cache_slots: int = 4,
-          cache_bytes: str | None = None, max_batch: int | None = None) -> None:
+          cache_bytes: str | None = None, max_batch: int | None = None,
+          special_tokens: str = "text") -> None:
     """`serve`: bind, open the engine, then answer until Ctrl-C. Under mlx.launch rank 0 does
     that while the other ranks follow its generations (`server/follower.py`)."""
     from ..distributed import end_with_launcher, world
@@ -176,6 +189,8 @@ def serve(spec, settings: engine.EngineSettings, *, host: str, port: int, api_ke
     check_options(host=host, port=port, api_key=api_key, queue_size=queue_size,
                   log_level=log_level, cache_slots=cache_slots, cache_bytes=cache_bytes,
                   max_batch=max_batch)
+    bounds.count("--max-tokens", max_tokens)  # every request that sets none runs this long
+    check_special_tokens(special_tokens)
     origins = parse_origins(allowed_origins)
     engine.check(settings)
     group = world()
@@ -202,7 +217,7 @@ def serve(spec, settings: engine.EngineSettings, *, host: str, port: int, api_ke
             "tree": config.tree, "weights": pair.weights}
     cfg = ServerConfig(model_id, aliases, api_key, max_tokens=max_tokens, sampling=sampling,
                        entry=spec.entry, info=info, client_templates=client_templates,
-                       allowed_origins=origins)
+                       allowed_origins=origins, special_tokens=special_tokens)
     bound = sock.getsockname()[1]
     where = f"[{host}]" if ":" in host else host
     how = f"DFlash block {block}" if block > 1 else "plain autoregressive"

@@ -32,6 +32,39 @@ def settle() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+class StopRequests:
+    """Inside a `with` block, SIGINT and SIGTERM ask for a stop instead of raising wherever
+    they land: for work that stops at a boundary of its own (a training step, so the checkpoint
+    written there is consistent). Later signals add nothing; `stopping()` re-raises the first
+    as the exception it would have been (exit 130 or 143)."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._old: dict = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def _ask(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    def __enter__(self) -> "StopRequests":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(sig) is not signal.SIG_IGN:  # `cmd &` keeps ignoring Ctrl-C
+                self._old[sig] = signal.signal(sig, self._ask)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+    def stopping(self) -> KeyboardInterrupt:
+        settle()
+        return Terminated() if self.signum == signal.SIGTERM else KeyboardInterrupt()
+
+
 def exit_code(exc: BaseException) -> int:
     return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
 

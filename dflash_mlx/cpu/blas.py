@@ -35,6 +35,9 @@ from importlib import metadata
 from pathlib import Path
 
 ENV = "DFLASH_MLX_BLAS"
+# Below this address-space limit OpenBLAS's per-thread buffers fail to load (measured: 1 GB
+# fails, 1.5 GB loads, on a 2-core machine); twice that leaves the model room.
+MIN_RLIMIT = 2 << 30
 OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
 OPENBLAS_AARCH64 = Path("/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0")
 WHEEL = "ngsolve-openblas"  # PyPI distribution shipping libopenblasp-r<version>.so
@@ -163,6 +166,13 @@ def autoload() -> bool:
     if "mlx.core" in sys.modules:
         _state["reason"] = "mlx was imported before dflash_mlx; preload had no effect"
         return False
+    limit = _address_limit()
+    if limit is not None and limit < MIN_RLIMIT:
+        # OpenBLAS reserves buffers per thread when it loads; under a small address-space
+        # limit it cannot, and exits the process. MLX's own BLAS fits.
+        _state["reason"] = (f"the memory rlimit ({limit / 2**30:.1f} GiB) is under the "
+                            f"{MIN_RLIMIT >> 30} GiB OpenBLAS needs to load")
+        return False
     # Idle OpenBLAS threads spin in sched_yield for ~0.1 s after every call; with a matmul per
     # layer that is a core's worth of system time the Python and MLX threads need on a small
     # machine (2 cores, a one-minute decoding run: 21-22 s of system time, 7 s with this; AR
@@ -180,6 +190,17 @@ def autoload() -> bool:
         return True
     _state["reason"] = "; ".join(failed)
     return False
+
+
+def _address_limit() -> int | None:
+    """RLIMIT_AS's soft limit (None: unlimited). Here, not in bounds.py: doctor runs this file
+    alone in a child process, without the package."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    return None if soft in (resource.RLIM_INFINITY, -1) or soft <= 0 else soft
 
 
 def version() -> str | None:

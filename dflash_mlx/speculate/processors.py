@@ -23,6 +23,9 @@ from ..errors import InvalidArgumentError
 
 Processor = Callable[[mx.array, mx.array], mx.array]
 MAX_BIAS = 100.0  # OpenAI's logit_bias range is [-100, 100]
+# Beyond these a penalty forbids or forces a token no more firmly, but the processed logits can
+# overflow float32 (inf, and inf - inf = NaN in the sampler): refused instead.
+MAX_PENALTY = 1e6
 
 
 @dataclass(frozen=True)
@@ -52,9 +55,16 @@ class Processing:
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
                 raise InvalidArgumentError(f"{name} must be a finite number, got {value}")
-        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
+        if self.repetition_penalty is not None and not (
+                1 / MAX_PENALTY <= self.repetition_penalty <= MAX_PENALTY):
             raise InvalidArgumentError(
-                f"repetition_penalty must be above 0, got {self.repetition_penalty}")
+                f"repetition_penalty must be between {1 / MAX_PENALTY:g} and {MAX_PENALTY:g}, "
+                f"got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value is not None and not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise InvalidArgumentError(
+                    f"{name} must be between {-MAX_PENALTY:g} and {MAX_PENALTY:g}, got {value}")
         for name in ("repetition_context_size", "presence_context_size",
                      "frequency_context_size"):
             if getattr(self, name) < 1:

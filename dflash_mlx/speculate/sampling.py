@@ -80,29 +80,41 @@ def sampling_probs(logits: mx.array, params: SamplingParams) -> mx.array:
 
     These shape only this (target) distribution; the rejection rule below then reproduces it
     exactly whatever the draft proposes. `logits` are already processed (`processors.py`).
+    Every filter keeps the most likely token (the argmax), so as top-p or the temperature go
+    to 0 the distribution becomes greedy's one-hot, never an empty (NaN) one.
     """
     x = logits.astype(mx.float32)
     if params.min_p > 0:  # mlx-lm's own filter, on log-probabilities before temperature
         x = apply_min_p(x - mx.logsumexp(x, axis=-1, keepdims=True), params.min_p,
                         params.min_tokens_to_keep)
-    x = x / params.temperature
     vocab = x.shape[-1]
-    if 0 < params.top_k < vocab:
+    if 0 < params.top_k < vocab:  # before temperature: dividing by T > 0 keeps the order
         # the k-th largest value, as a full sort would place it, without sorting the vocabulary
         at = vocab - params.top_k
         kth = mx.take_along_axis(x, mx.argpartition(x, at, axis=-1)[..., at:at + 1], axis=-1)
         x = mx.where(x >= kth, x, -mx.inf)
-    probs = mx.softmax(x, axis=-1)
+    top = mx.argmax(x, axis=-1, keepdims=True)
+    is_top = mx.arange(vocab) == top
+    probs = mx.softmax(_scaled(x, params.temperature), axis=-1)
     if params.top_p < 1.0:
         order = mx.argsort(-probs, axis=-1)
         sorted_p = mx.take_along_axis(probs, order, axis=-1)
-        # keep a token while the mass strictly before it is below top_p (the first always stays)
+        # keep a token while the mass strictly before it is below top_p; the argmax always
+        # stays (at top_p = 1e-300, which float32 rounds to 0, nothing else does)
         keep_sorted = (mx.cumsum(sorted_p, axis=-1) - sorted_p) < params.top_p
         inverse = mx.argsort(order, axis=-1)
-        keep = mx.take_along_axis(keep_sorted, inverse, axis=-1)
+        keep = mx.take_along_axis(keep_sorted, inverse, axis=-1) | is_top
         probs = mx.where(keep, probs, 0.0)
         probs = probs / probs.sum(axis=-1, keepdims=True)
     return probs
+
+
+def _scaled(x: mx.array, temperature: float) -> mx.array:
+    """x / T, shifted so the maximum is 0: at a temperature float32 cannot divide by (below
+    ~1e-38 it is 0, or x / T overflows) the argmax stays 0 and the rest go to -inf, instead of
+    inf - inf = NaN."""
+    top = mx.max(x, axis=-1, keepdims=True)
+    return mx.where(x == top, 0.0, (x - top) / temperature)
 
 
 def greedy_accept(drafted: list[int], target_argmax: list[int]) -> tuple[int, int]:

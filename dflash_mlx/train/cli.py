@@ -16,6 +16,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 from ..errors import DFlashError, InvalidArgumentError
 from ..atomic import make_writable_folder
+from ..input_files import check_regular, read_bytes
 
 console = Console(stderr=True)
 
@@ -36,7 +37,7 @@ def build_features(pair, out: Path, *, prompts: int, max_tokens: int, batch: int
                                 progress=lambda done, _: bar.update(task, completed=done))
         if texts:
             t2 = bar.add_task("teacher-forcing text", total=None)
-            corpus = (p.read_text(errors="replace") for p in texts)
+            corpus = (read_bytes(p, "--text").decode(errors="replace") for p in texts)
             total += extract_features(pair.target, text_sequences(pair.tokenizer, corpus), out,
                                       progress=lambda n: bar.update(t2, completed=n))
     return total
@@ -107,14 +108,15 @@ def _writable_folder(path: Path, flag: str) -> None:
 
 
 def check_paths(out: Path, features: Path | None, texts: list[Path], init: Path | None,
-                resume: bool, steps: int, heldout_features: Path | None = None) -> None:
-    """The input files exist, the output folders take files, and `--resume` has a checkpoint
-    to continue from."""
+                resume: bool, steps: int, heldout_features: Path | None = None,
+                force: bool = False) -> None:
+    """The input files exist, the output folders take files and hold nothing of anyone
+    else's (unless `force`), and `--resume` has a checkpoint to continue from."""
+    from . import outdir
     from .trainer import checkpoint_step
 
     for t in texts:
-        if not t.is_file():
-            raise InvalidArgumentError(f"--text {t}: no such file")
+        check_regular(t, "--text")  # a FIFO or a folder: one line, never a wait
     if heldout_features is not None and not list(Path(heldout_features).glob("shard_*.npz")):
         raise InvalidArgumentError(f"--heldout-features {heldout_features}: no feature shards "
                                    "(shard_*.npz) there")
@@ -130,6 +132,7 @@ def check_paths(out: Path, features: Path | None, texts: list[Path], init: Path 
         if done >= steps:
             raise InvalidArgumentError(f"--resume: the checkpoint in {out} is at step {done}, "
                                        f"--steps is {steps}: nothing left to train; raise --steps")
+    outdir.check(out, features, force)
     _writable_folder(out, "--out")
     if features is not None and not list(Path(features).glob("shard_*.npz")):
         _writable_folder(Path(features), "--features")  # to be built there
@@ -154,14 +157,18 @@ def run(model: str | None, out: Path, *, features: Path | None, prompts: int, ma
         steps: int, lr: float, heldout: int, resume: bool, seed: int, weights: str,
         vocab: int = 8192, restricted_loss: bool = True, seqs: int = 2,
         anchors: int = 24, init: Path | None = None, soft_labels: float = 0.0,
-        minutes: float = 0.0, heldout_features: Path | None = None) -> None:
+        minutes: float = 0.0, heldout_features: Path | None = None, force: bool = False) -> None:
     """`train-draft`. A failure to write (a full disk) ends in one line, with what was
-    written kept: feature shards, the last checkpoint."""
+    written kept: feature shards, the last checkpoint. SIGINT or SIGTERM while training saves
+    the steps done as a checkpoint (`--resume` continues), then exits 130 or 143."""
+    if not str(out).strip():  # '' would be the current folder
+        raise InvalidArgumentError("--out is empty: give the folder to write the draft to")
+    out = Path(out)
     check_args(prompts=prompts, max_tokens=max_tokens, batch=batch,
                sampled_fraction=sampled_fraction, layers=layers, block_size=block_size,
                steps=steps, minutes=minutes, lr=lr, seqs=seqs, anchors=anchors, heldout=heldout,
                vocab=vocab, soft_labels=soft_labels, seed=seed, weights=weights)
-    check_paths(out, features, texts, init, resume, steps, heldout_features)
+    check_paths(out, features, texts, init, resume, steps, heldout_features, force)
     if model is None:
         from ..registry import default_pair
 
@@ -173,7 +180,9 @@ def run(model: str | None, out: Path, *, features: Path | None, prompts: int, ma
     from ..models.dflash import DFlashDraftModel
     from ..loader import check_pair, load, load_draft
     from .config import TrainConfig
-    from .trainer import TrainingStoppedError, new_draft_config, pick_mask_token, train
+    from ..cli.signals import StopRequests
+    from .trainer import (TrainingStoppedError, checkpoint_step, new_draft_config,
+                          pick_mask_token, train)
     from .data import feature_taps, load_shards, split_heldout
 
     console.print(f"loading target {model}")
@@ -225,11 +234,14 @@ def run(model: str | None, out: Path, *, features: Path | None, prompts: int, ma
         from .soft import TargetTail
 
         tail = TargetTail(pair.target, cfg.target_layer_ids)
-    with Progress(TextColumn("[bold]training"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                  console=console) as bar:
+    # Ctrl-C / SIGTERM from here on: the step under way ends, a checkpoint is written
+    with StopRequests() as stops, Progress(
+            TextColumn("[bold]training"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+            TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+            console=console) as bar:
         task = bar.add_task("train", total=steps, info="")
-        for ev in train(draft, shards, held, out, tc, resume=resume, tail=tail):
+        for ev in train(draft, shards, held, out, tc, resume=resume, tail=tail,
+                        stop=lambda: stops.requested):
             if ev.soft_agreement is not None:
                 print(f"soft labels: the rebuilt logits' argmax equals the stored prediction at "
                       f"{ev.soft_agreement:.2%} of held-out labels", file=sys.stderr, flush=True)
@@ -243,6 +255,10 @@ def run(model: str | None, out: Path, *, features: Path | None, prompts: int, ma
                   f"{ev.tokens_per_s:.0f} heldout_tau {ev.heldout_tau:.3f} walk_tau "
                   f"{ev.heldout_walk_tau:.3f} slot_acc "
                   + " ".join(f"{a:.3f}" for a in ev.slot_accuracy), file=sys.stderr, flush=True)
+    if stops.requested:
+        console.print(f"stopped: the checkpoint of step {checkpoint_step(out)} in {out} is kept; "
+                      "the same command with --resume continues", markup=False, highlight=False)
+        raise stops.stopping()
     if vocab:
         write_vocab(draft, out, shards, held, vocab, trained_through=tc.head_vocab > 0)
     console.print(f"draft written to {out} (config.json + model.safetensors)")

@@ -157,6 +157,16 @@ def _save(draft, opt, step: int, out: Path, cfg: TrainConfig, log: list[dict]) -
     return out
 
 
+def _save_on_stop(draft, opt, step: int, start: int, out: Path, cfg: TrainConfig,
+                  log: list[dict]) -> None:
+    """A stop between steps: the draft and optimizer as they are after `step` steps, unless
+    the checkpoint on disk already is that (a resume stopped before its first step)."""
+    if step > start or checkpoint_step(out) is None:
+        if step == 0:  # no update yet: the optimizer's state is made as its first step would
+            opt.init(draft.trainable_parameters())
+        _save(draft, opt, step, out, cfg, log)
+
+
 def _in_rows(batch: tuple, rows: mx.array | None) -> tuple:
     """Labels as restricted-head rows; -1 (unreachable, or outside the head) stays -1."""
     if rows is None:
@@ -167,10 +177,12 @@ def _in_rows(batch: tuple, rows: mx.array | None) -> tuple:
 
 def train(draft: DFlashDraftModel, train_shards: list[FeatureShard],
           heldout_shards: list[FeatureShard], out_dir: Path, cfg: TrainConfig,
-          resume: bool = False, tail=None) -> Iterator[TrainEvent]:
+          resume: bool = False, tail=None, stop=None) -> Iterator[TrainEvent]:
     """Train `draft` (already bound to its target). Yields an event every eval interval.
 
-    `tail` (a `soft.TargetTail`) is needed when `cfg.soft_labels` > 0.
+    `tail` (a `soft.TargetTail`) is needed when `cfg.soft_labels` > 0. `stop` (a function):
+    when it returns True at a step boundary, the steps done so far are saved as a checkpoint
+    `resume` continues from, and training ends there.
     """
     if not (math.isfinite(cfg.lr) and cfg.lr > 0):
         raise InvalidArgumentError(f"learning rate {cfg.lr}: takes a finite number above 0")
@@ -210,6 +222,9 @@ def train(draft: DFlashDraftModel, train_shards: list[FeatureShard],
     step = start
     try:
         while step < cfg.steps:
+            if stop is not None and stop():
+                _save_on_stop(draft, opt, step, start, out_dir, cfg, log)
+                return
             if cfg.minutes > 0:
                 timed = _fit_schedule(cfg, limit, step - start, step, began, timed)
             opt.learning_rate = lr_at(step, cfg)
