@@ -389,6 +389,18 @@ def _client(answer, reason="stop"):
     store = ResponseStore()
 
     def handle(request):
+        try:
+            return answered(request)
+        except APIError as e:
+            return httpx.Response(e.status, content=e.response().body,
+                                  headers={"content-type": "application/json"})
+
+    def answered(request):
+        # GET and DELETE /v1/responses/{id}: what the server's route returns
+        if request.method == "GET":
+            return httpx.Response(200, json=store.response(request.url.path.rsplit("/")[-1]))
+        if request.method == "DELETE":
+            return httpx.Response(200, json=store.delete(request.url.path.rsplit("/")[-1]))
         body = json.loads(request.content)
         stream, events = run(body, answer, reason, store)
         if body.get("stream"):
@@ -416,6 +428,48 @@ def test_official_client_plain_and_streamed():
                                      input=[{"type": "function_call_output",
                                              "call_id": "call_1", "output": "cold"}])
     assert follow.previous_response_id == final.id
+
+
+def test_official_client_retrieves_and_deletes_stored_responses():
+    client = _client([ReasoningDelta("Hmm."), ContentDelta("Hi there")])
+    made = client.responses.create(model="dflash", input="Hi", metadata={"k": "v"})
+    got = client.responses.retrieve(made.id)
+    assert got == made  # every field as the create call returned it
+    assert got.output_text == "Hi there" and got.output[0].content[0].text == "Hmm."
+    events = list(client.responses.create(model="dflash", input="Hi", stream=True))
+    final = events[-1].response  # response.completed: the streamed response as it ended
+    assert events[-1].type == "response.completed"
+    assert client.responses.retrieve(final.id) == final
+    assert client.responses.delete(made.id) is None
+    for gone in (lambda: client.responses.retrieve(made.id),
+                 lambda: client.responses.delete(made.id),
+                 lambda: client.responses.create(model="dflash", input="x",
+                                                 previous_response_id=made.id)):
+        with pytest.raises(openai.NotFoundError):
+            gone()
+    with pytest.raises(openai.NotFoundError) as info:
+        client.responses.retrieve("resp_unknown")
+    assert info.value.body == {"message": "Response with id 'resp_unknown' not found.",
+                               "type": "invalid_request_error", "param": None, "code": None}
+    assert client.responses.retrieve(final.id).id == final.id  # the other one stays
+    unstored = client.responses.create(model="dflash", input="Hi", store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_store_counts_and_frees_the_response_objects():
+    store = ResponseStore(chars=10_000)
+    msgs = [{"role": "user", "content": "x"}]
+    store.put("a", msgs)
+    small = store.total
+    store.put("b", msgs, {"id": "b", "output": [{"text": "y" * 1000}]})
+    assert store.total > 2 * small + 1000  # the Response object is counted too
+    with pytest.raises(APIError) as info:
+        store.response("a")  # a conversation kept without its Response object
+    assert info.value.status == 404
+    assert store.response("b")["output"][0]["text"] == "y" * 1000
+    assert store.delete("b") == {"id": "b", "object": "response.deleted", "deleted": True}
+    assert store.total == small and "b" not in store
 
 
 def test_sealed_reasoning_round_trips_for_clients_that_store_nothing():

@@ -243,6 +243,23 @@ def test_responses_streamed_events_assemble_to_the_same_response(answerer):
     assert plain.output_text == final.output_text
 
 
+def test_responses_are_retrieved_and_deleted_over_http(answerer):
+    client = _client(answerer)
+    made = client.responses.create(model=_model(answerer), input="Weather?",
+                                   max_output_tokens=32)
+    got = client.responses.retrieve(made.id)
+    assert got == made and got.output_text == ANSWER
+    assert got.output[0].content[0].text == THOUGHT
+    assert client.responses.delete(made.id) is None
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(made.id)
+    status, body = answerer.request("DELETE", f"/v1/responses/{made.id}")
+    assert status == 404 and body["error"]["message"] == \
+        f"Response with id '{made.id}' not found."
+    status, body = answerer.get("/v1/responses/resp_nope?stream=true")
+    assert status == 400 and body["error"]["param"] == "stream"
+
+
 def test_responses_length_is_incomplete_and_refusals_name_the_field(answerer):
     r = _client(answerer).responses.create(model=_model(answerer), input="Weather?",
                                            max_output_tokens=2)

@@ -13,14 +13,15 @@ from dflash_mlx import load
 from dflash_mlx.chat import apply_template
 from dflash_mlx.generate import BlockEvent
 from dflash_mlx.errors import ModelNotFoundError
+from dflash_mlx.reasoning import ReasoningDelta, ReasoningStream
 from dflash_mlx.tiny import make_draft, make_target
-from support.tui import SIZE, app_for, last_answer, send, settle
+from support.tui import SIZE, app_for, last_answer, make_thinking_target, send, settle
 from tui import transcript as tr
 from tui.app import ChatApp
 from tui.errors import describe_error
 from tui.scripted import ScriptedConversation
 from tui.settings import ChatSettings
-from tui.turn import TARGET, ThinkSplitter, Turn, char_labels, sanitize, token_labels
+from tui.turn import THINK_MARKERS, TARGET, Turn, char_labels, sanitize, token_labels
 from tui.widgets.loading import LoadingView
 from tui.widgets.messages import AssistantMessage, UserMessage
 from tui.widgets.panel import SpeculationPanel, bar, block_glyphs
@@ -81,23 +82,42 @@ def test_sanitize_keeps_length_and_newlines():
     assert "\n" in clean and "\t" in clean
 
 
-def test_think_splitter_handles_tags_split_across_rounds():
-    sp = ThinkSplitter()
+def _split(pieces, markers=THINK_MARKERS, thinking=False):
+    """(thinking, answer, deltas): each character labelled with its own code point, so a
+    label that drifts from its character shows."""
+    stream = ReasoningStream(markers=markers, thinking=thinking)
     out = []
-    for piece in ["<thi", "nk>I reason", " here</th", "ink>The answer"]:
-        out += sp.feed(piece, [1] * len(piece))
-    out += sp.flush()
-    thinking = "".join(t for c, t, _ in out if c == "thinking")
-    answer = "".join(t for c, t, _ in out if c == "answer")
-    assert thinking == "I reason here"
-    assert answer == "The answer"
-    assert all(len(t) == len(labels) for _, t, labels in out)
+    for piece in pieces:
+        out += stream.feed(piece, labels=[ord(c) for c in piece])
+    out += stream.finish()
+    thinking = "".join(d.text for d in out if isinstance(d, ReasoningDelta))
+    answer = "".join(d.text for d in out if not isinstance(d, ReasoningDelta))
+    return thinking, answer, out
 
 
-def test_think_splitter_ignores_open_tag_inside_the_answer():
-    sp = ThinkSplitter()
-    out = sp.feed("Use <think> tags", [0] * 16) + sp.flush()
-    assert [(c, t) for c, t, _ in out] == [("answer", "Use <think> tags")]
+def test_split_keeps_labels_with_their_characters_across_rounds():
+    text = "<think>I reason here</think>The answer"
+    whole = _split([text])
+    assert whole[:2] == ("I reason here", "The answer")
+    for i in range(len(text) + 1):
+        for j in range(i, len(text) + 1):
+            got = _split([text[:i], text[i:j], text[j:]])
+            assert got[:2] == whole[:2], (i, j)
+            assert all(d.labels == tuple(map(ord, d.text)) for d in got[2]), (i, j)
+
+
+def test_split_ignores_an_open_tag_inside_the_answer():
+    assert _split(["Use <think> tags"])[:2] == ("", "Use <think> tags")
+    assert _split(["Use <thi", "nk> tags"])[:2] == ("", "Use <think> tags")
+    # whitespace before the tag is not an answer yet
+    assert _split(["\n<think>hm</think>ok"])[:2] == ("hm", "\nok")
+
+
+def test_split_uses_the_models_markers():
+    assert _split(["<think>a</think>b"], markers=None)[:2] == ("", "<think>a</think>b")
+    assert _split(["[T]a[/T]b"], markers=("[T]", "[/T]"))[:2] == ("a", "b")
+    # the template opened the block: the answer starts after the end marker
+    assert _split(["a</think>b"], thinking=True)[:2] == ("a", "b")
 
 
 def test_turn_keeps_separate_stats_for_thinking_and_answer():
@@ -151,9 +171,9 @@ def test_data_dir_follows_env_and_platform(monkeypatch, tmp_path):
     assert tr.chats_dir() == tmp_path / "data" / "chats"
     monkeypatch.delenv("DFLASH_MLX_DATA")
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
-    monkeypatch.setattr(tr.sys, "platform", "linux")
+    monkeypatch.setattr("sys.platform", "linux")
     assert tr.data_dir() == tmp_path / "xdg" / "dflash-mlx"
-    monkeypatch.setattr(tr.sys, "platform", "darwin")
+    monkeypatch.setattr("sys.platform", "darwin")
     assert tr.data_dir().parts[-3:] == ("Library", "Application Support", "dflash-mlx")
 
 
@@ -422,12 +442,22 @@ async def test_loader_worker_reports_progress_then_chats(tiny_pair):
         assert last_answer(app).answer.source == "ok"
 
 
+@pytest.fixture(scope="session")
+def thinking_pair(tmp_path_factory):
+    """The tiny pair with a template that names the <think> markers."""
+    root = tmp_path_factory.mktemp("tui-thinking-pair")
+    make_thinking_target(root / "target")
+    make_draft(root / "draft")
+    return load(root / "target", root / "draft", draft_bits=16)
+
+
 @pytest.mark.asyncio
-async def test_thinking_goes_to_a_collapsible_section(tiny_pair):
+async def test_thinking_goes_to_a_collapsible_section(thinking_pair):
     from textual.widgets import Collapsible
 
-    app = app_for(tiny_pair, settings=ChatSettings(max_tokens=400), conversation_factory=scripted(
-        ["<think>\nLet me think about it.\n</think>\n\nThe answer is 42."]))
+    app = app_for(thinking_pair, settings=ChatSettings(max_tokens=400),
+                  conversation_factory=scripted(
+                      ["<think>\nLet me think about it.\n</think>\n\nThe answer is 42."]))
     async with app.run_test(size=SIZE) as pilot:
         await send(pilot, "Question")
         msg = last_answer(app)
@@ -439,6 +469,41 @@ async def test_thinking_goes_to_a_collapsible_section(tiny_pair):
         assert stats["thinking"]["generation_tokens"] and stats["answer"]["generation_tokens"]
         channels = [b["channel"] for b in app.turns[-1]["blocks"]]
         assert channels == sorted(channels, reverse=True)  # thinking rounds, then answer ones
+
+
+@pytest.mark.asyncio
+async def test_a_model_without_think_markers_has_no_thinking_section(tiny_pair):
+    """The split is the server's: a tokenizer that names no markers thinks nothing, as
+    reasoning_content stays empty for it."""
+    text = "<think>\nnot a marker here\n</think>\n\nThe answer."
+    app = app_for(tiny_pair, settings=ChatSettings(max_tokens=400),
+                  conversation_factory=scripted([text]))
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "Question")
+        msg = last_answer(app)
+        assert msg.thinking is None and msg.answer.source == text
+        assert app.turns[-1]["think_markers"] is None
+    again = app_for(tiny_pair, resume=True)  # replayed as it was split, not at <think>
+    async with again.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        assert last_answer(again).thinking is None
+        assert last_answer(again).answer.source == text
+
+
+@pytest.mark.asyncio
+async def test_resumed_thinking_turn_splits_as_it_was_shown(thinking_pair):
+    text = "<think>\nweighing it\n</think>\n\nDone."
+    first = app_for(thinking_pair, settings=ChatSettings(max_tokens=400),
+                    conversation_factory=scripted([text]))
+    async with first.run_test(size=SIZE) as pilot:
+        await send(pilot, "Q")
+        shown = (last_answer(first).thinking.source, last_answer(first).answer.source)
+    again = app_for(thinking_pair, resume=True)
+    async with again.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        msg = last_answer(again)
+        assert (msg.thinking.source, msg.answer.source) == shown
+        assert shown[0].strip() == "weighing it" and shown[1].strip() == "Done."
 
 
 @pytest.mark.asyncio

@@ -14,6 +14,7 @@ import pytest
 
 from dflash_mlx import load
 from dflash_mlx.tiny import make_draft, make_target
+from support.tui import make_thinking_target
 from tui.app import ChatApp
 from tui.scripted import ScriptedConversation
 from tui.settings import ChatSettings
@@ -36,6 +37,17 @@ THINKING = "<think>\nThe user says hello. A short, friendly greeting fits.\n</th
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("snap-pair")
     make_target(root / "target")
+    make_draft(root / "draft")
+    loaded = load(root / "target", root / "draft", draft_bits=16)
+    return dataclasses.replace(loaded, target_id="tiny-target", draft_id="tiny-draft")
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    """The same pair with a template that names the <think> markers (the split takes them
+    from the model, as the server's does); its prompts render as `pair`'s."""
+    root = tmp_path_factory.mktemp("snap-thinker")
+    make_thinking_target(root / "target")
     make_draft(root / "draft")
     loaded = load(root / "target", root / "draft", draft_bits=16)
     return dataclasses.replace(loaded, target_id="tiny-target", draft_id="tiny-draft")
@@ -95,14 +107,14 @@ def test_settings_screen(snap_compare, pair):
     assert snap_compare(make_app(pair), terminal_size=SIZE, run_before=run_before)
 
 
-def test_thinking_section(snap_compare, pair):
+def test_thinking_section(snap_compare, thinker):
     """You should see a collapsed "Thinking (N tok · τ …)" section above the answer, and the
     panel's separate τ for thinking and for the answer."""
-    assert snap_compare(make_app(pair, THINKING), terminal_size=SIZE,
+    assert snap_compare(make_app(thinker, THINKING), terminal_size=SIZE,
                         run_before=chat("Hello"))
 
 
-def test_thinking_section_expanded(snap_compare, pair):
+def test_thinking_section_expanded(snap_compare, thinker):
     """You should see the thinking text, dimmed and tinted, once the section is expanded."""
 
     async def run_before(pilot) -> None:
@@ -112,4 +124,4 @@ def test_thinking_section_expanded(snap_compare, pair):
         pilot.app.query_one(Collapsible).collapsed = False
         await pilot.pause()
 
-    assert snap_compare(make_app(pair, THINKING), terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(make_app(thinker, THINKING), terminal_size=SIZE, run_before=run_before)

@@ -17,7 +17,7 @@ from dflash_mlx.stats import Stats
 from . import transcript as tr
 from .errors import describe_error
 from .settings import ChatSettings
-from .turn import Turn, replay_events
+from .turn import THINK_MARKERS, Turn, replay_events
 from .widgets.messages import AssistantMessage, UserMessage
 from .widgets.panel import SpeculationPanel
 from .widgets.prompt import PromptInput
@@ -185,8 +185,11 @@ class ChatActions:
             await view.mount(UserMessage(data["user"]))
             widget = AssistantMessage()
             await view.mount(widget)
+            # the markers the turn was split with (older transcripts always split at <think>)
+            markers = data.get("think_markers", THINK_MARKERS)
             turn = Turn(user=data["user"], decode=self._decode,
-                        thinking=data.get("thinking_open", False))
+                        thinking=data.get("thinking_open", False),
+                        markers=tuple(markers) if markers else None)
             runs = turn.add(replay_events(data.get("blocks", [])))
             runs += turn.finish(data.get("finish_reason") == "stopped")
             for channel, text, labels in runs:

@@ -23,6 +23,7 @@ from textual.worker import get_current_worker
 
 from dflash_mlx.chat import Conversation
 from dflash_mlx.generate import BlockEvent
+from dflash_mlx.reasoning import starts_in_thinking, think_markers
 
 from . import transcript as tr
 from .actions import ChatActions
@@ -223,7 +224,8 @@ class ChatApp(ChatActions, App[None]):
             msgs.append({"role": "user", "content": text})
         elif msgs and msgs[-1]["role"] == "assistant":
             msgs.pop()
-        turn = Turn(user=text, decode=self._decode, thinking=self._opens_thinking(msgs))
+        turn = Turn(user=text, decode=self._decode, thinking=self._opens_thinking(msgs),
+                    markers=think_markers(self.pair.tokenizer))
         self._job = _Job(turn, events, widget, user_widget, s.block_size)
         self.busy = True
         # Draw the new messages first, so that work does not compete with the engine.
@@ -368,14 +370,14 @@ class ChatApp(ChatActions, App[None]):
         return self.pair.tokenizer.decode([token])
 
     def _opens_thinking(self, msgs: list[dict]) -> bool:
-        """Whether the chat template already opens a <think> section for the answer."""
+        """Whether the chat template already opens a thinking section for the answer."""
         try:
             prompt = self.pair.tokenizer.apply_chat_template(
                 msgs, add_generation_prompt=True, tokenize=False,
                 **self.conversation.template_kwargs)
         except Exception:
             return False
-        return isinstance(prompt, str) and prompt.rstrip().endswith("<think>")
+        return isinstance(prompt, str) and starts_in_thinking(self.pair.tokenizer, prompt)
 
     def _save(self) -> None:
         t = self.transcript

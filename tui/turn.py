@@ -16,11 +16,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from dflash_mlx.generate import BlockEvent
+from dflash_mlx.reasoning import ReasoningDelta, ReasoningStream
 from dflash_mlx.stats import Stats
 
 TARGET = 16
 LOOKUP = 17
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+THINK_MARKERS = ("<think>", "</think>")  # a Turn built without a tokenizer's (tests, replays)
 CHANNELS = ("thinking", "answer")
 
 # C0/C1 controls (an ESC from a random model would reach the terminal) become visible
@@ -63,74 +64,6 @@ def char_labels(text: str, pieces: list[str], labels: list[int]) -> list[int]:
     return out
 
 
-class ThinkSplitter:
-    """Routes streamed text to the "thinking" or "answer" channel at <think> tags.
-
-    A tag split across rounds is held back until it is complete. An opening tag counts only
-    before any answer text; a template that opens the thinking section itself starts the
-    splitter in thinking mode.
-    """
-
-    def __init__(self, thinking: bool = False):
-        self.thinking = thinking
-        self.seen_answer = False
-        self._held = ""
-        self._held_labels: list[int] = []
-
-    def feed(self, text: str, labels: list[int]) -> list[tuple[str, str, list[int]]]:
-        buf, labs = self._held + text, self._held_labels + labels
-        out: list[tuple[str, str, list[int]]] = []
-        while buf:
-            tag = THINK_CLOSE if self.thinking else (None if self.seen_answer else THINK_OPEN)
-            if tag == THINK_OPEN:
-                body = buf.lstrip()
-                if not (body.startswith(THINK_OPEN) or THINK_OPEN.startswith(body)):
-                    tag = None  # the answer began without a thinking section
-            i = buf.find(tag) if tag else -1
-            if i >= 0:
-                self._emit(out, buf[:i], labs[:i])
-                buf, labs = buf[i + len(tag) :], labs[i + len(tag) :]
-                self.thinking = not self.thinking
-                continue
-            keep = _partial_suffix(buf, tag) if tag else 0
-            cut = len(buf) - keep
-            self._emit(out, buf[:cut], labs[:cut])
-            buf, labs = buf[cut:], labs[cut:]
-            break
-        self._held, self._held_labels = buf, labs
-        return out
-
-    @property
-    def holding(self) -> bool:
-        """Whether part of a tag is held back."""
-        return bool(self._held)
-
-    def flush(self) -> list[tuple[str, str, list[int]]]:
-        out: list[tuple[str, str, list[int]]] = []
-        self._emit(out, self._held, self._held_labels)
-        self._held, self._held_labels = "", []
-        return out
-
-    def _emit(self, out: list, text: str, labels: list[int]):
-        if not text:
-            return
-        channel = "thinking" if self.thinking else "answer"
-        if channel == "answer" and text.strip():
-            self.seen_answer = True
-        if out and out[-1][0] == channel:
-            out[-1] = (channel, out[-1][1] + text, out[-1][2] + labels)
-        else:
-            out.append((channel, text, labels))
-
-
-def _partial_suffix(buf: str, tag: str) -> int:
-    """Length of the longest end of `buf` that is a proper start of `tag`."""
-    for n in range(min(len(tag) - 1, len(buf)), 0, -1):
-        if buf.endswith(tag[:n]):
-            return n
-    return 0
-
-
 @dataclass
 class Turn:
     """The state of one assistant answer, fed with BlockEvents in order.
@@ -138,12 +71,15 @@ class Turn:
     Args:
         user: the user's message.
         decode: token id → text of that token alone (cached here).
-        thinking: whether the prompt already opened a <think> section.
+        thinking: whether the prompt already opened a thinking section.
+        markers: the model's thinking markers (`dflash_mlx.reasoning.think_markers`), None
+            for a model that does not think. The split is the server's and `generate`'s.
     """
 
     user: str
     decode: Callable[[int], str]
     thinking: bool = False
+    markers: tuple[str, str] | None = THINK_MARKERS
     stats: dict[str, Stats] = field(default_factory=lambda: {c: Stats() for c in CHANNELS})
     total: Stats = field(default_factory=Stats)
     text: dict[str, str] = field(default_factory=lambda: {c: "" for c in CHANNELS})
@@ -154,7 +90,7 @@ class Turn:
     started: float = field(default_factory=time.time)
 
     def __post_init__(self):
-        self._splitter = ThinkSplitter(self.thinking)
+        self._splitter = ReasoningStream(markers=self.markers, thinking=self.thinking)
         self._pieces: dict[int, str] = {}
 
     def _piece(self, token: int) -> str:
@@ -170,9 +106,10 @@ class Turn:
             text = sanitize(ev.text)
             labels = char_labels(text, [self._piece(t) for t in ev.tokens], token_labels(ev))
             was_thinking = self._splitter.thinking
-            runs = self._splitter.feed(text, labels)
+            deltas = self._splitter.feed(text, labels=labels)
             if ev.finish_reason is not None:
-                runs += self._splitter.flush()
+                deltas += self._splitter.finish()
+            runs = _runs(deltas)
             # A round of tag tokens only (nothing visible) counts as thinking.
             tags = was_thinking or self._splitter.thinking or self._splitter.holding
             channel = _majority(runs, "thinking" if tags else "answer")
@@ -191,7 +128,7 @@ class Turn:
     def finish(self, stopped: bool = False) -> list[tuple[str, str, list[int]]]:
         """End of the turn: flush a held partial tag."""
         self.stopped = stopped
-        runs = self._splitter.flush()
+        runs = _runs(self._splitter.finish())
         for channel, text, _ in runs:
             self.text[channel] += text
         return runs
@@ -207,6 +144,7 @@ class Turn:
             "answer": self.text["answer"],
             "finish_reason": self.finish_reason,
             "thinking_open": self.thinking,
+            "think_markers": list(self.markers) if self.markers else None,
             "started": self.started,
             "wall_s": round(self.wall_s, 4),
             "stats": {
@@ -215,6 +153,12 @@ class Turn:
             },
             "blocks": self.blocks,
         }
+
+
+def _runs(deltas: list) -> list[tuple[str, str, list[int]]]:
+    """The splitter's deltas as (channel, text, char labels) runs."""
+    return [("thinking" if isinstance(d, ReasoningDelta) else "answer", d.text, list(d.labels))
+            for d in deltas]
 
 
 def _majority(runs: list[tuple[str, str, list[int]]], default: str) -> str:

@@ -6,7 +6,6 @@ Only the CLI calls this module; the engine never prints.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -38,13 +37,14 @@ def progress(msg: str) -> None:
 
 
 class TextStream:
-    """Writes model text to stdout as blocks arrive; ends the line at the end."""
+    """Writes model text to stdout as blocks arrive; ends the line at the end. `silent`: none
+    (`--events -` makes stdout the JSONL stream, whose rows carry the text)."""
 
-    def __init__(self):
-        self.last = "\n"
+    def __init__(self, silent: bool = False):
+        self.last, self.silent = "\n", silent
 
     def write(self, text: str) -> None:
-        if text:
+        if text and not self.silent:
             sys.stdout.write(text)
             sys.stdout.flush()
             self.last = text[-1]
@@ -103,22 +103,27 @@ def stats_lines(stats, peak_gb: float, block_size: int) -> list[str]:
 
 
 class EventsWriter:
-    """`--events FILE.jsonl`: one object per block, then one summary object.
+    """`--events FILE.jsonl` (`-`: stdout): one object per block, then one summary object.
 
-    Each line is flushed as it is written; when the disk fills up, the file is cut back to its
-    last whole line and the run ends with one line (exit 2)."""
+    The lines go to a temporary file beside FILE that takes its place at `close()`: a run that
+    fails (a bad flag, a broken draft, a full disk, Ctrl-C before the first block) leaves an
+    earlier FILE as it was. A device or a pipe takes each line as it is written."""
 
     def __init__(self, path: Path, flag: str = "--events"):
-        self.path, self.flag, self.lines, self.good = Path(path), flag, 0, 0
-        try:
-            self.f = open(self.path, "w", encoding="utf-8")
-        except OSError as e:
-            raise InvalidArgumentError(f"{flag} {path}: cannot write ({e.strerror})") from None
+        from ..atomic import Staged
 
-    def block(self, index: int, ev, tokenizer=None) -> None:
+        self.path, self.flag, self.lines = path, flag, 0
+        self.stdout = str(path) == "-"  # stdout is then the JSONL stream, nothing else
+        try:
+            self.f = _StdoutRows() if self.stdout else Staged(path)
+        except OSError as e:
+            raise InvalidArgumentError(f"{flag} {path}: cannot write ({e.strerror or e})") from None
+
+    def block(self, index: int, ev, tokenizer=None, split: dict | None = None) -> None:
         """One round's row: the BlockEvent's fields; its log-probabilities (when asked) as
-        {"id", "token", "logprob"} objects, the token text decoded with `tokenizer`."""
-        row = {"type": "block", "index": index, **asdict(ev)}
+        {"id", "token", "logprob"} objects, the token text decoded with `tokenizer`; `split`:
+        its text as "reasoning" and "content" (thinking apart from the answer)."""
+        row = {"type": "block", "index": index, **asdict(ev), **(split or {})}
         if ev.logprobs is not None:
             def entry(t, lp):
                 text = tokenizer.decode([int(t)]) if tokenizer is not None else None
@@ -133,32 +138,60 @@ class EventsWriter:
         self._write({"type": "summary", **data})
 
     def _write(self, obj: dict) -> None:
-        line = json.dumps(obj, ensure_ascii=False) + "\n"
         try:
-            self.f.write(line)
-            self.f.flush()
+            self.f.write(json.dumps(obj, ensure_ascii=False) + "\n")
+            self.f.flush()  # a full disk says so now, not at the end
         except OSError as e:
-            self._abandon()
-            raise InvalidArgumentError(
-                f"{self.flag} {self.path}: cannot write ({e.strerror or e}); the "
-                f"{self.lines} whole line{'s' * (self.lines != 1)} written before are kept"
-            ) from None
+            self._failed(e)
         self.lines += 1
-        self.good += len(line.encode("utf-8"))  # bytes of whole lines: tell() fails on pipes
 
-    def _abandon(self) -> None:
-        try:  # closing flushes the rest of the line, which may fail again: it is dropped
-            self.f.close()
-        except OSError:
-            pass
-        try:
-            if self.path.is_file():
-                os.truncate(self.path, self.good)
-        except OSError:
-            pass
+    def _failed(self, e: OSError):
+        self.f.discard()
+        if self.f.direct:
+            kept = (f"the {self.lines} whole line{'s' * (self.lines != 1)} written before "
+                    "are kept")
+        else:
+            kept = f"{self.path} is left as it was" if self.f.existed else "nothing was written"
+        raise InvalidArgumentError(
+            f"{self.flag} {self.path}: cannot write ({e.strerror or e}); {kept}") from None
 
     def close(self) -> None:
-        self.f.close()
+        """The run is complete: the file takes its place."""
+        try:
+            self.f.commit()
+        except OSError as e:
+            self._failed(e)
+
+
+class _StdoutRows:
+    """`--events -`: the rows on stdout as they come (what Staged does for a pipe)."""
+
+    direct = existed = True
+
+    def write(self, text: str) -> None:
+        sys.stdout.write(text)
+
+    def flush(self) -> None:
+        sys.stdout.flush()
+
+    def commit(self) -> None:
+        self.flush()
+
+    def discard(self) -> None:
+        pass
+
+
+def check_output(path: Path, flag: str) -> None:
+    """An output file that could not be written is one line now, before slow work; the file
+    there stays untouched until the work is done."""
+    from ..atomic import check_output as check
+
+    if str(path) == "-":
+        return
+    try:
+        check(path)
+    except OSError as e:
+        raise InvalidArgumentError(f"{flag} {path}: cannot write ({e.strerror or e})") from None
 
 
 def write_file(path: Path, text: str, flag: str) -> None:
@@ -168,7 +201,8 @@ def write_file(path: Path, text: str, flag: str) -> None:
     try:
         write_atomic(path, text)
     except OSError as e:
-        raise InvalidArgumentError(f"{flag} {path}: cannot write ({e.strerror or e})") from None
+        raise InvalidArgumentError(f"{flag} {path}: cannot write ({e.strerror or e}); "
+                                   "any earlier file there is left as it was") from None
 
 
 def parity(pair, p) -> None:

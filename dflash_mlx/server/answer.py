@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from .reasoning import ContentDelta, ReasoningDelta, ReasoningStream
+from ..reasoning import ContentDelta, ReasoningDelta, ReasoningStream
 from .tools import ToolCallArgs, ToolCallStarted, ToolCallStream, ToolRequest, finish_reason
 
 log = logging.getLogger("dflash_mlx.server")

@@ -1,7 +1,8 @@
 """`dflash-mlx serve`: an OpenAI-compatible HTTP API over the engine (Starlette on uvicorn).
 
 Endpoints: POST /v1/chat/completions, /v1/completions and /v1/responses (SSE streaming or
-not), GET /v1/models, /v1/models/{id}, /metrics and /health. Requests are parsed, checked and tokenized on one preparation thread
+not), GET /v1/models, /v1/models/{id}, /v1/responses/{id} (DELETE too), /metrics and
+/health. Requests are parsed, checked and tokenized on one preparation thread
 (the event loop stays free for /health and other clients), then run one at a time by
 `worker.Worker`. Every failure is an OpenAI-style error body with a 4xx
 or 5xx code; nothing a client sends ends the server. Beyond OpenAI's fields, responses carry
@@ -23,7 +24,7 @@ import threading
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -41,6 +42,27 @@ from .request import (APIError, ServerConfig, check_for_model, completion_limit,
 from .worker import Busy, Delta, Done, Failed, Job, Worker
 
 __all__ = ["ServerConfig", "bind", "create_app", "serve"]
+
+
+# A body that stops arriving for this long (shorter than its Content-Length, the client
+# waiting) is refused with a 400 instead of holding the request open forever.
+BODY_IDLE_S = 10.0
+
+
+async def _body(request: Request) -> bytes:
+    """The request body, each part of it awaited at most BODY_IDLE_S; a body cut short (the
+    client waits, or goes away) is a 400, never a hang nor a traceback in the log."""
+    async def receive():
+        return await asyncio.wait_for(request.receive(), BODY_IDLE_S)
+
+    try:
+        return await read_body(Request(request.scope, receive))
+    except (TimeoutError, ClientDisconnect) as e:
+        size = request.headers.get("content-length")
+        expected = f" of the {size} bytes its Content-Length announces" if size else ""
+        why = ("the client closed the connection" if isinstance(e, ClientDisconnect)
+               else f"nothing more came in {BODY_IDLE_S:g} s")
+        raise APIError(400, f"the request body stopped short{expected} ({why})") from None
 
 
 async def _watch_disconnect(request: Request, job: Job) -> None:
@@ -154,6 +176,8 @@ def _settle(fut: asyncio.Future, result, error) -> None:
 
 def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
     """The Starlette app; `worker` must be started (see `serve`)."""
+    if cfg.api_key is not None and not cfg.api_key:  # "" must never read as "no key"
+        raise DFlashError("the server's API key is empty: give a key, or None for no key")
     pair = worker.pair
     preparer = Preparer()
     store = ResponseStore()  # previous_response_id: recent responses, bounded
@@ -163,7 +187,7 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
     def guarded(handler, auth: bool = True):
         async def endpoint(request: Request):
             try:
-                if auth and cfg.api_key and not _authorized(request, cfg.api_key):
+                if auth and cfg.api_key is not None and not _authorized(request, cfg.api_key):
                     raise APIError(401, "Incorrect or missing API key: send 'Authorization: "
                                    "Bearer <key>'", code="invalid_api_key")
                 response = await handler(request)
@@ -190,7 +214,7 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
                                    "combined with response_format", "tool_choice")
                 opts["sampling"] = replace(opts["sampling"], constraint=prompt.constraint)
         else:
-            ids, answer = prompt_ids(pair, body), None
+            ids, answer = prompt_ids(pair, body, cfg.special_tokens), None
         return opts, ids, answer, completion_limit(
             opts["max_tokens"], len(ids), pair.target.context_length, cfg.max_tokens)
 
@@ -232,7 +256,7 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
 
     async def completions(request: Request, chat: bool):
         opts, ids, answer, max_tokens = await preparer.run(
-            lambda raw: prepare(parse_body(raw), chat), await read_body(request))
+            lambda raw: prepare(parse_body(raw), chat), await _body(request))
         reply = Reply(chat, cfg.model_id, pair.tokenizer, opts["logprobs"], answer)
         job, got, done = await run(request, opts, ids, max_tokens)
         if done is None:
@@ -244,7 +268,7 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
             req = parse_responses(parse_body(raw), store)
             return req, *prepare(req.chat, True)
 
-        req, opts, ids, answer, max_tokens = await preparer.run(parse, await read_body(request))
+        req, opts, ids, answer, max_tokens = await preparer.run(parse, await _body(request))
         out = ResponseStream(cfg.model_id, req, store)
         job, got, done = await run(request, opts, ids, max_tokens)
         if done is None:
@@ -254,6 +278,16 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
         out.feed(answer.finish())
         out.finish(done, answer.reasoning_tokens)
         return JSONResponse(out.response())
+
+    async def stored_response(request: Request):
+        """GET /v1/responses/{id}: the Response as created; DELETE: forget it."""
+        response_id = request.path_params["response_id"]
+        if request.method == "DELETE":
+            return JSONResponse(store.delete(response_id))
+        if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+            raise APIError(400, "'stream' is not supported when retrieving a response: it "
+                           "was not created in the background", "stream")
+        return JSONResponse(store.response(response_id))
 
     async def chat_completions(request: Request):
         return await completions(request, chat=True)
@@ -297,6 +331,8 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
         Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
         Route("/v1/completions", guarded(text_completions), methods=["POST"]),
         Route("/v1/responses", guarded(responses), methods=["POST"]),
+        Route("/v1/responses/{response_id}", guarded(stored_response),
+              methods=["GET", "DELETE"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/v1/models/{name:path}", guarded(model), methods=["GET"]),
         Route("/metrics", guarded(metrics), methods=["GET"]),
@@ -304,7 +340,7 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
         Route("/v1/health", guarded(health, auth=False), methods=["GET"]),
     ]
     middleware = [Middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins),
-                             allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
+                             allow_methods=["GET", "POST", "DELETE", "OPTIONS"], allow_headers=["*"],
                              max_age=600)] if cfg.allowed_origins else []
     return Starlette(routes=routes, middleware=middleware,
                      exception_handlers={HTTPException: http_error, Exception: server_error})

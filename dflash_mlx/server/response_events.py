@@ -19,7 +19,7 @@ import json
 import secrets
 import time
 
-from .reasoning import ContentDelta, ReasoningDelta
+from ..reasoning import ContentDelta, ReasoningDelta
 from .responses import ResponsesRequest, ResponseStore, seal
 from .tools import ToolCallArgs, ToolCallStarted
 from .worker import Done
@@ -148,8 +148,8 @@ class ResponseStream:
     # -- the end -----------------------------------------------------------------------------
 
     def finish(self, done: Done, reasoning_tokens: int = 0) -> list[dict]:
-        """The closing events (feed `answer.finish()` first). Stores the conversation when the
-        request asked for it."""
+        """The closing events (feed `answer.finish()` first). Stores the conversation and the
+        Response object when the request asked for it."""
         if done.finish_reason == "cancelled":
             return self.fail("generation stopped: the server is shutting down")
         cut = done.finish_reason == "length"
@@ -167,10 +167,11 @@ class ResponseStream:
                 "reasoning_tokens": min(reasoning_tokens, done.completion_tokens)},
             "total_tokens": done.prompt_tokens + done.completion_tokens}
         self.speculation = done.speculation
+        final = self.response()
         if self.store is not None and self.request.store:
-            self.store.put(self.id, self.request.history + [self.message()])
+            self.store.put(self.id, self.request.history + [self.message()], self.response())
         out.append(self._event("response.incomplete" if cut else "response.completed",
-                               response=self.response()))
+                               response=final))
         return out
 
     def fail(self, message: str) -> list[dict]:

@@ -3,12 +3,27 @@ for the answer."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from dflash_mlx.tiny import make_target
 from tui.app import ChatApp
 from tui.settings import ChatSettings
 from tui.widgets.messages import AssistantMessage
 from tui.widgets.prompt import PromptInput
 
 SIZE = (110, 36)
+# The branch a thinking model's template has for thinking turned off (Qwen3 writes an empty
+# block); no caller passes `think_off`, so prompts render as the plain template's.
+THINK_OFF = ("{% if add_generation_prompt and think_off is defined %}<think>\n\n</think>\n\n"
+             "{% endif %}")
+
+
+def make_thinking_target(folder: Path) -> None:
+    """A tiny random target whose chat template names the <think> markers, as a thinking
+    model's does (the split takes its markers from there)."""
+    make_target(folder)
+    template = folder / "chat_template.jinja"
+    template.write_text(template.read_text() + THINK_OFF)
 
 
 def app_for(pair, **kw):
