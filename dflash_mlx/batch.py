@@ -44,6 +44,7 @@ from .speculate.batch_draft import make_draft_caches
 from .speculate.batch_round import Row, batch_round
 from .speculate.rounds import Request, path_round
 from .speculate.sampling import check_max_tokens
+from .speculate.width import WidthControl
 
 
 @dataclass
@@ -83,6 +84,7 @@ class _Seq:
     row: Row | None = None  # batched: tokens and pending taps (the caches are the batch's)
     session: Session | None = None  # serial: its own caches
     widths: tuple | None = None  # serial: this round's (width, (draft key, verify key))
+    fixed: bool = False  # seeded sampling: its widths must not depend on the load
     note: str | None = None
     limit_note: str | None = None  # said when it stops at the model's context
 
@@ -105,6 +107,8 @@ class Batch:
         self._seqs: list[_Seq] = []
         self._count = 0
         self.target_cache = self.draft_cache = None
+        # speculation or plain decoding, per round, from the costs measured at each batch size
+        self.control = WidthControl() if config.adaptive and config.block_size > 1 else None
         if self.serial is None:
             self.target_cache = [RaggedKVCache() for _ in pair.target.cache_types]
             if pair.draft is not None and config.block_size > 1 and not config.draft_free:
@@ -145,7 +149,8 @@ class Batch:
         n_prompt, n_reused = prefill(pair, session, ids)
         seq = _Seq(self._count, Request(params, budget.cut, lookup_only, logprobs), budget,
                    mx.random.key(seed), pair.tokenizer.detokenizer, block, watch,
-                   (n_prompt, n_reused, 0.0), limit_note=limit_note)
+                   (n_prompt, n_reused, 0.0), fixed=not params.greedy and params.seed is not None,
+                   limit_note=limit_note)
         if self.serial is None:
             self._join(seq, session)
         else:
@@ -186,6 +191,9 @@ class Batch:
 
     def _leave(self, rows: set[int]):
         keep = [i for i in range(len(self._seqs)) if i not in rows]
+        if self.control is not None:
+            for i in rows:
+                self.control.forget(self._seqs[i].index)
         self._seqs = [self._seqs[i] for i in keep]
         filter_rows(self.target_cache, keep)
         filter_rows(self.draft_cache, keep)
@@ -194,8 +202,10 @@ class Batch:
         """One round for every running sequence: one event each; finished ones leave."""
         if not self._seqs:
             return []
+        keys = [s.index for s in self._seqs]
+        wide = self.control is None or self.control.speculate(keys, any(s.fixed for s in self._seqs))
         for s in self._seqs:
-            width = min(s.block, s.budget.max_tokens - s.budget.produced)
+            width = min(s.block if wide else 1, s.budget.max_tokens - s.budget.produced)
             drafts = width > 1 and not s.req.lookup_only
             s.key, dkey, vkey = _keys(s.key, s.req.params, drafts)
             if s.row is not None:
@@ -208,6 +218,10 @@ class Batch:
         else:  # one sequence after another, each with its own caches
             rounds = [path_round(self.pair, s.session, self.config, s.widths[0], s.req, s.widths[1])
                       for s in self._seqs]
+        if self.control is not None:
+            seconds = (rounds[0].draft_s + rounds[0].verify_s if self.serial is None
+                       else sum(r.draft_s + r.verify_s for r in rounds))
+            self.control.record(keys, wide, seconds, [len(r.tokens) for r in rounds])
         events, done = [], set()
         for i, (s, rnd) in enumerate(zip(self._seqs, rounds)):
             events.append(self._event(s, rnd))

@@ -34,6 +34,7 @@ class EngineSettings:
         tree: draft-tree nodes per round (0: one path), or "auto" from the cost curve.
         min_confidence: the cut of unsure draft slots (None: the device's default).
         lookup: context lookup where the draft is unsure.
+        adaptive: speculate only in rounds where it pays (`speculate/width.py`).
         pad_verify: run verify passes wider where this machine's BLAS does that faster.
         draft_bits, weights: how the pair is loaded (`cpu/policy.py`).
     """
@@ -43,6 +44,7 @@ class EngineSettings:
     tree: int | str = "auto"
     min_confidence: float | None = None
     lookup: bool = True
+    adaptive: bool = True
     pad_verify: bool = True
     draft_bits: int | None = None
     weights: str = "auto"
@@ -171,6 +173,7 @@ def settle(pair, loaded: Loaded, settings: EngineSettings = EngineSettings(), sa
     draft_free = loaded.spec.draft == registry.LOOKUP
     base = SpeculationConfig.for_pair(pair, min_confidence=settings.min_confidence,
                                       lookup=settings.lookup or draft_free,
+                                      adaptive=settings.adaptive,
                                       draft_free=draft_free or None)
     block = choose_block(pair, loaded, base, settings.block_size, note)
     for b in settings.sweep:

@@ -25,6 +25,7 @@ from .speculate import SamplingParams, SpeculationConfig, check_block_size, guar
 from .speculate.grammar import Grammar
 from .speculate.rounds import Request, Round, path_round, tree_budget, tree_round
 from .speculate.sampling import check_max_tokens
+from .speculate.width import WidthControl
 
 
 def prefill_step() -> int:
@@ -261,6 +262,7 @@ def stream_generate(
     block_size: int | None = None,
     min_confidence: float | None = None,
     lookup: bool | None = None,
+    adaptive: bool | None = None,
     sampling: SamplingParams | None = None,
     logprobs: int | None = None,
 ) -> Iterator[BlockEvent]:
@@ -274,8 +276,8 @@ def stream_generate(
         temperature, top_p, top_k, seed: how to sample (`SamplingParams`; `sampling` gives
             them as one value instead). The seed makes a run reproducible.
         session: reuse caches across calls; only the tokens the prompt adds are prefilled.
-        block_size, min_confidence, lookup: override those fields of `config` (None keeps
-            them). Exactness depends on none of them, only the cost of a round does.
+        block_size, min_confidence, lookup, adaptive: override those fields of `config` (None
+            keeps them). Exactness depends on none of them, only the cost of a round does.
         logprobs: give each event the emitted tokens' log-probabilities and this many top
             alternatives per token (0: none; None: no log-probabilities).
 
@@ -284,7 +286,7 @@ def stream_generate(
     """
     params = sampling or SamplingParams(temperature, top_p, top_k, seed)
     config = (config or SpeculationConfig.for_pair(pair)).replace(
-        block_size=block_size, lookup=lookup,
+        block_size=block_size, lookup=lookup, adaptive=adaptive,
         min_confidence=None if min_confidence is None else float(min_confidence))
     session, lookup_only = _settle(pair, config, session, params)
     ids = encode_prompt(pair, prompt)
@@ -301,6 +303,7 @@ def stream_generate(
     watch = (guards.AcceptanceWatch(config.fallback_after)
              if block > 1 and config.fallback_after else None)
     tree, note = tree_budget(pair, config, lookup_only, req.grammar is not None)
+    control = adaptive_control(config, params)
     tic = time.perf_counter()
     n_prompt, n_reused = prefill(pair, session, ids)
     prompt_s = time.perf_counter() - tic
@@ -309,13 +312,18 @@ def stream_generate(
     # mlx-lm's wired limit on Metal (keeps the weights resident); does nothing elsewhere
     with wired_limit(pair.target.model):
         while True:
-            width = min(block, budget.max_tokens - budget.produced)
+            wide = block > 1 and (control is None or control.speculate(SOLO))
+            width = min(block if wide else 1, budget.max_tokens - budget.produced)
             trees = width > 1 and tree
             key, dkey, vkey = _keys(key, params, width > 1 and not (trees or lookup_only))
             if trees:  # DDTree: one draft pass, one verify pass over a tree
                 rnd = tree_round(pair, session, config, width, req, vkey)
             else:  # one path: the draft's block (or the lookup's), verified in one pass
                 rnd = path_round(pair, session, config, width, req, (dkey, vkey))
+            if control is not None and block > 1:
+                # the first round's draft also takes the prompt's last chunk: not typical
+                seconds = rnd.draft_s + rnd.verify_s if budget.produced else None
+                control.record(SOLO, wide, seconds, [len(rnd.tokens)])
             budget.produced += len(rnd.tokens)
             if rnd.finish == "length" and capped:
                 note = f"stopped at the model's context ({limit} tokens)"
@@ -326,6 +334,20 @@ def stream_generate(
             note = None
             if rnd.finish is not None:
                 return
+
+
+SOLO = (0,)  # the one sequence of a `stream_generate` call, as `WidthControl` keys it
+
+
+def adaptive_control(config: SpeculationConfig, params: SamplingParams) -> WidthControl | None:
+    """A width controller for a call, or None: widths fixed (not adaptive, plain AR, seeded
+    sampling, whose random draws depend on the widths, or ranks of mlx.launch, which must run
+    the same passes while their clocks differ)."""
+    if not config.adaptive or config.block_size == 1 or mx.distributed.init().size() > 1:
+        return None
+    if not params.greedy and params.seed is not None:
+        return None
+    return WidthControl()
 
 
 def _event(rnd: Round, text: str, n_prompt: int, n_reused: int, prompt_s: float,

@@ -31,6 +31,7 @@ from dflash_mlx.speculate.grammar import Constraint
 from dflash_mlx.speculate.processors import Processing
 from dflash_mlx.speculate.sampling import rejection_sample_device
 from support.engine import Oracle, float32_pair, mlx_lm_greedy
+from support.rows_oracle import Plan, RowsOracleDraft, one_hot_logits
 from support.sampling import pick, target_rows
 from support.stats import chi_square
 from support.tiers import slow_after
@@ -39,60 +40,6 @@ V = tiny.VOCAB_SIZE
 GATED = {"model_type": "gemma3_text", "num_hidden_layers": 4, "sliding_window": 8,
          "sliding_window_pattern": 2, "query_pre_attn_scalar": 16,
          "rope_local_base_freq": 10000.0}
-
-
-class Plan:
-    """Which oracle proposes for each row of a batch (rows follow `batch.running`)."""
-
-    def __init__(self, batch: Batch, oracles: dict[int, Oracle]):
-        self.batch, self.oracles = batch, oracles
-
-
-def one_hot_logits(ids: list[list[int]], hidden: mx.array) -> mx.array:
-    logits = mx.where(mx.arange(V) == mx.array(ids)[..., None], 0.0, -1e9)
-    return logits.reshape(*hidden.shape[:-1], V)
-
-
-class Where:
-    """Per row, the absolute position of block slot 0 in the last draft pass (a plain object:
-    nn.Module files arrays and lists as parameters)."""
-
-    def __init__(self, pos: list[int], rows: list[int]):
-        self.pos, self.rows = pos, rows  # rows: the batch's sequence indices
-
-
-class RowsOracleDraft(DFlashDraftModel):
-    """A real draft (its batched forward runs) whose proposals are each row's oracle's."""
-
-    plan: Plan | None = None
-
-    def __call__(self, block_ids, context, cache):
-        hidden = super().__call__(block_ids, context, cache)
-        off = cache[0].offset
-        batch = self.plan and self.plan.batch
-        rows = []
-        if batch is not None and batch.serial:  # one sequence's own cache: which one
-            rows = [s.index for s in batch._seqs if s.session.draft_cache is cache]
-        elif batch is not None:
-            rows = batch.running
-        self.where = Where(off.tolist() if isinstance(off, mx.array) else [off], rows)
-        return hidden
-
-    def proposal_logits(self, hidden):
-        if self.plan is None:
-            return super().proposal_logits(hidden)
-        pos = self.where.pos
-        out = []
-        for b, index in enumerate(self.where.rows):
-            o, row = self.plan.oracles[index], []
-            for i in range(1, hidden.shape[-2] + 1):
-                j = pos[b] + i - o.prompt_len
-                tok = o.reference[j] if 0 <= j < len(o.reference) else 0
-                if o.rng.random() < o.p_wrong:
-                    tok = o.rng.randrange(V)
-                row.append(tok)
-            out.append(row)
-        return one_hot_logits(out, hidden)
 
 
 class Fixed:

@@ -79,7 +79,7 @@ def test_rows_count_the_lookup_share(tiny):
     from dflash_mlx.loader import load
 
     pair = load(tiny.target, tiny.draft)
-    whole = SpeculationConfig.for_pair(pair, min_confidence=0.0)
+    whole = SpeculationConfig.for_pair(pair, min_confidence=0.0, adaptive=False)
     sets = {"gsm8k": [["The cat sat. The cat sat. The cat"]]}
 
     def encode(messages):
@@ -132,7 +132,8 @@ def test_benchmark_command_writes_a_card(tiny, isolated_cache, tmp_path):
     r = runner.invoke(app, ["benchmark", "--model", str(tiny.oracle_target), "--draft",
                             str(tiny.oracle_draft), "--dataset", "gsm8k,mt-bench",
                             "--num-prompts", "1", "--max-tokens", "8", "--block-size", "2,4",
-                            "--repeats", "2", "--min-confidence", "0", "--out", str(out)])
+                            "--repeats", "2", "--min-confidence", "0", "--fixed-width",
+                            "--out", str(out)])  # fixed: every round drafts, τ is exact
     assert r.exit_code == 0, r.output
     assert "speedup" in r.stdout and "gsm8k" in r.stdout and "all" in r.stdout
     card = json.loads(out.read_text())

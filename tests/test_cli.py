@@ -73,7 +73,7 @@ def test_lookup_is_shown_and_can_be_turned_off(tiny):
 
 def test_oracle_draft_accepts_every_position(tiny):
     r = gen(tiny, "Hi", "--max-tokens", 12, "--block-size", 4, "--min-confidence", 0,
-            target=tiny.oracle_target, draft=tiny.oracle_draft)
+            "--fixed-width", target=tiny.oracle_target, draft=tiny.oracle_draft)
     assert r.exit_code == 0, r.output
     assert r.stdout == "!" * 12 + "\n"  # token 0 is "!"
     assert "τ 4.00 tokens/round over 3 rounds" in r.stderr
@@ -81,7 +81,7 @@ def test_oracle_draft_accepts_every_position(tiny):
     assert "Cut before verifying" not in r.stderr
     # everything cut: the same text from plain AR rounds, and the cut is reported
     r = gen(tiny, "Hi", "--max-tokens", 12, "--block-size", 4, "--min-confidence", 1,
-            target=tiny.oracle_target, draft=tiny.oracle_draft)
+            "--fixed-width", target=tiny.oracle_target, draft=tiny.oracle_draft)
     assert r.exit_code == 0, r.output
     assert r.stdout == "!" * 12 + "\n"
     assert "τ 1.00 tokens/round over 12 rounds" in r.stderr
@@ -120,15 +120,18 @@ def test_system_prompt_and_raw_prompt(tiny, tmp_path):
 
 def test_events_jsonl_schema(tiny, tmp_path):
     path = tmp_path / "ev.jsonl"
-    r = gen(tiny, "Hello", "--max-tokens", 10, "--block-size", 3, "--seed", 7, "--events", path)
+    r = gen(tiny, "Hello", "--max-tokens", 10, "--block-size", 3, "--seed", 7, "--events", path,
+            "--fixed-width")  # every round offers its block
     assert r.exit_code == 0, r.output
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     blocks, summary = rows[:-1], rows[-1]
     keys = {"type", "index", "tokens", "text", "drafted", "accepted", "accept_flags", "draft_s",
             "verify_s", "block_size", "prompt_tokens", "reused_tokens", "prompt_s",
             "generation_tokens", "finish_reason", "trimmed", "lookup_flags", "note", "tree_nodes",
-            "branch_tokens", "grammar_cut", "logprobs", "top_logprobs"}
+            "branch_tokens", "grammar_cut", "logprobs", "top_logprobs", "reasoning", "content"}
     assert all(set(b) == keys and b["type"] == "block" for b in blocks)
+    # a model without think markers: all of its text is content (thinking: test_thinking_*)
+    assert all(b["content"] == b["text"] and b["reasoning"] == "" for b in blocks)
     # no --logprobs, no grammar: those fields are null and 0
     assert all(b["logprobs"] is None and b["top_logprobs"] is None and b["grammar_cut"] == 0
                for b in blocks)

@@ -82,6 +82,7 @@ def test_a_pair_with_a_draft_is_not_draft_free(tiny):
 
 def test_cli_draft_lookup(tiny):
     r = CliRunner().invoke(app, ["generate", "ab ab ab ab ab", "--model", str(tiny.target),
-                                 "--draft", "lookup", "--max-tokens", "24", "--no-pad-verify"])
+                                 "--draft", "lookup", "--max-tokens", "24", "--no-pad-verify",
+                                 "--fixed-width"])
     assert r.exit_code == 0, r.output
     assert "Context lookup:" in r.stderr and "block 5" in r.stderr

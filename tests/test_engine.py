@@ -111,7 +111,7 @@ def test_padded_verify_passes_decode_the_same(oracle_pair, seed):
         pair.draft.oracle = Oracle(raw, len(prompt), 0.3, seed)
         pair.target.passes.clear()
         session = Session.new(pair)
-        config = SpeculationConfig.for_pair(pair, verify_pad=pads)
+        config = SpeculationConfig.for_pair(pair, verify_pad=pads, adaptive=False)
         events = _run(pair, prompt, config=config, block_size=block, max_tokens=n,
                       session=session)
         widths = [p.shape[0] for p in pair.target.passes[-len(events):]]

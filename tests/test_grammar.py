@@ -103,7 +103,7 @@ def test_forbidden_drafts_are_cut_before_verification(oracle_pair):
     prompt = [5, 6, 7]
     ref = reference(pair, prompt, 16, constraint.grammar())
     pair.draft.oracle = Oracle(ref, len(prompt), 1.0, 3)  # every proposal random
-    events = list(stream_generate(pair, prompt, block_size=6, max_tokens=16,
+    events = list(stream_generate(pair, prompt, block_size=6, max_tokens=16, adaptive=False,
                                   sampling=SamplingParams(constraint=constraint)))
     assert [t for e in events for t in e.tokens] == ref
     assert sum(e.grammar_cut for e in events) > 0

@@ -140,7 +140,8 @@ def test_wrong_target_pairing_switches_with_real_rounds(tiny):
     pair = load(tiny.oracle_target, tiny.draft)
     watch = AcceptanceWatch(patience=3)
     fed = []
-    for ev in stream_generate(pair, [5, 6, 7], max_tokens=40, block_size=4, min_confidence=0.0):
+    for ev in stream_generate(pair, [5, 6, 7], max_tokens=40, block_size=4, min_confidence=0.0,
+                              adaptive=False):
         fed.append((len(ev.drafted), ev.accepted))
         if watch.feed_event(ev):
             break

@@ -213,8 +213,8 @@ def test_rollback_after_any_accept_pattern_equals_fresh_prefill(pair, seed, bloc
     reference = _script(pair, prompt, n, pattern, block)
     session = Session.new(pair)
     # lookup off: the script's blocks are verified as proposed, so its accept counts happen
-    gen = stream_generate(pair, prompt, block_size=block, max_tokens=n, session=session,
-                          lookup=False)
+    gen = stream_generate(pair, prompt, SpeculationConfig.for_pair(pair, adaptive=False),
+                          block_size=block, max_tokens=n, session=session, lookup=False)
     passes = pair.target.passes
     events = []
     for ev in gen:

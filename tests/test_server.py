@@ -23,11 +23,12 @@ KEY = "sekret-key"
 @pytest.fixture(scope="module")
 def servers(tiny, tmp_path_factory):
     logs = tmp_path_factory.mktemp("server-logs")
-    plain = ss.start(["--model", tiny.target, "--draft", tiny.draft, "--log-level", "warning"],
-                     logs / "plain.log")
+    # fixed widths: the speculation stats are compared round for round with the engine's
+    plain = ss.start(["--model", tiny.target, "--draft", tiny.draft, "--log-level", "warning",
+                      "--fixed-width"], logs / "plain.log")
     keyed = ss.start(["--model", tiny.oracle_target, "--draft", tiny.oracle_draft,
                       "--block-size", "4", "--min-confidence", "0", "--api-key", KEY,
-                      "--queue-size", "1",
+                      "--queue-size", "1", "--fixed-width",
                       "--served-model-name", "oracle", "--log-level", "warning"],
                      logs / "keyed.log")
     try:
@@ -66,7 +67,7 @@ def engine(tiny):
     def greedy(prompt, max_tokens):
         chat = isinstance(prompt, list) and isinstance(prompt[0], dict)
         ids = apply_template(pair.tokenizer, prompt) if chat else prompt
-        events = list(stream_generate(pair, ids, max_tokens=max_tokens))
+        events = list(stream_generate(pair, ids, max_tokens=max_tokens, adaptive=False))
         return "".join(e.text for e in events), events
 
     greedy.pair = pair

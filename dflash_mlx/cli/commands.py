@@ -10,7 +10,7 @@ import typer
 from . import render
 from .options import (
     DEFAULT_BLOCK_SIZE, DEFAULT_MAX_TOKENS, S, BlockSizeOpt, DraftBitsOpt, DraftOpt, MaxTokensOpt,
-    LookupOpt, MinConfidenceOpt, MinPOpt, RepetitionPenaltyOpt,
+    AdaptiveOpt, LookupOpt, MinConfidenceOpt, MinPOpt, RepetitionPenaltyOpt,
     ModelOpt, NoDraftOpt, ReasoningOpt, SeedOpt, SystemOpt, TempOpt, TopKOpt, TopPOpt, TreeOpt,
     WeightsOpt, app,
 )
@@ -27,6 +27,7 @@ def chat(
     weights: WeightsOpt = "auto",
     min_confidence: MinConfidenceOpt = None,
     lookup: LookupOpt = True,
+    adaptive: AdaptiveOpt = True,
     tree: TreeOpt = "auto",
     max_tokens: MaxTokensOpt = 2048,
     temp: TempOpt = 0.0,
@@ -55,7 +56,7 @@ def chat(
     (requested,) = [1] if no_draft else engine.parse_block_sizes(block_size, allow_list=False)
     wanted = engine.EngineSettings(block_size=requested, tree=engine.parse_tree(tree),
                                    min_confidence=min_confidence, lookup=lookup,
-                                   draft_bits=draft_bits, weights=weights)
+                                   adaptive=adaptive, draft_bits=draft_bits, weights=weights)
     engine.check(wanted)
     # a bad name or registry file: one line before the app starts (the loader resolves again)
     registry.reasoning_kwargs(registry.resolve(model, draft, no_draft).entry, reasoning)
@@ -76,6 +77,7 @@ def serve(
     weights: WeightsOpt = "auto",
     min_confidence: MinConfidenceOpt = None,
     lookup: LookupOpt = True,
+    adaptive: AdaptiveOpt = True,
     tree: TreeOpt = "auto",
     host: Annotated[str, typer.Option(
         help="Address to listen on; 0.0.0.0 opens the server to the network.")] = "127.0.0.1",
@@ -102,6 +104,10 @@ def serve(
         "what MLX may use here).")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level (info: one line per "
                                            "request).")] = "info",
+    special_tokens: Annotated[str, typer.Option(
+        "--special-tokens", help="text | parse: special-token text in a /v1/completions string "
+        "prompt (say <|im_end|>) stays ordinary text, or becomes the control token (parse: "
+        "clients may then write control tokens). Chat messages are always text.")] = "text",
     allow_client_templates: Annotated[bool, typer.Option(
         help="Let requests bring their own chat template (rendered off the event loop, at most "
         "64 KiB). Off: such requests get a 400.")] = False,
@@ -127,18 +133,20 @@ def serve(
     (requested,) = [1] if no_draft else engine.parse_block_sizes(block_size, allow_list=False)
     wanted = engine.EngineSettings(block_size=requested, tree=engine.parse_tree(tree),
                                    min_confidence=min_confidence, lookup=lookup,
-                                   draft_bits=draft_bits, weights=weights)
+                                   adaptive=adaptive, draft_bits=draft_bits, weights=weights)
     server.serve(registry.resolve(model, draft, no_draft), wanted, host=host, port=port,
                  api_key=api_key, model_name=served_model_name, queue_size=queue_size,
                  log_level=log_level, max_tokens=max_tokens, sampling=defaults,
                  client_templates=allow_client_templates, allowed_origins=allowed_origins,
-                 cache_slots=cache_slots, cache_bytes=cache_bytes, max_batch=max_batch)
+                 cache_slots=cache_slots, cache_bytes=cache_bytes, max_batch=max_batch,
+                 special_tokens=special_tokens)
 
 
 @app.command("train-draft")
 def train_draft(
-    out: Annotated[Path, typer.Option(help="Output folder: the draft (z-lab format) and its "
-                                      "checkpoints.")],
+    out: Annotated[str, typer.Option(help="Output folder: the draft (z-lab format) and its "
+                                     "checkpoints; new, empty or an earlier train-draft output "
+                                     "(else --force).", show_default=False)],
     model: Annotated[Optional[str], typer.Option(
         help="Target: path, Hub repo or .gguf (default: the embedded SmolLM2 target).")] = None,
     features: Annotated[Optional[Path], typer.Option(
@@ -176,6 +184,9 @@ def train_draft(
         help="Weight (0-1) of a loss on the target's whole next-token distribution, rebuilt "
              "from the deepest tap; the rest stays on its argmax.")] = 0.0,
     weights: WeightsOpt = "auto",
+    force: Annotated[bool, typer.Option(
+        "--force", help="Write into --out even if it holds files train-draft did not write "
+        "(another model's config.json and weights are overwritten).")] = False,
 ):
     """Train a DFlash draft for a target: self-distilled features, then block training."""
     from ..train import cli as train_cli
@@ -187,7 +198,7 @@ def train_draft(
                   seqs=seqs, anchors=anchors, minutes=minutes,
                   resume=resume, seed=seed, weights=weights, vocab=vocab,
                   restricted_loss=restricted_loss, init=init, soft_labels=soft_labels,
-                  heldout_features=heldout_features)
+                  heldout_features=heldout_features, force=force)
 
 
 @app.command("fetch-demo")

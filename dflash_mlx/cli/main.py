@@ -20,10 +20,10 @@ from . import render, signals
 from .options import (  # the app and the options shared with commands.py
     DEFAULT_BLOCK_SIZE, DEFAULT_MAX_TOKENS, MAX_LOGPROBS, R, ApiKeyOpt, BackendOpt, BaseUrlOpt,
     BlockSizeOpt, DraftBitsOpt, DraftOpt, FrequencyPenaltyOpt, JsonSchemaOpt, LogitBiasOpt,
-    LookupOpt, MaxTokensOpt, MinConfidenceOpt, MinPOpt, ModelOpt, NoDraftOpt, NoTemplateOpt,
+    AdaptiveOpt, LookupOpt, MaxTokensOpt, MinConfidenceOpt, MinPOpt, ModelOpt, NoDraftOpt, NoTemplateOpt,
     PadVerifyOpt, PresencePenaltyOpt, ReasoningOpt, RegexOpt, RepetitionContextOpt,
     RepetitionPenaltyOpt, SeedOpt, SystemOpt, TempOpt, TopKOpt, TopPOpt, TreeOpt, WeightsOpt,
-    app, build_sampling, check_logprobs, sampling_extras,
+    SpecialTokensOpt, app, build_sampling, check_logprobs, sampling_extras,
 )
 from ..errors import InvalidArgumentError
 
@@ -45,6 +45,7 @@ def generate(
     weights: WeightsOpt = "auto",
     min_confidence: MinConfidenceOpt = None,
     lookup: LookupOpt = True,
+    adaptive: AdaptiveOpt = True,
     pad_verify: PadVerifyOpt = True,
     tree: TreeOpt = "auto",
     max_tokens: MaxTokensOpt = DEFAULT_MAX_TOKENS,
@@ -63,6 +64,7 @@ def generate(
     system_prompt: SystemOpt = None,
     reasoning: ReasoningOpt = None,
     no_chat_template: NoTemplateOpt = False,
+    special_tokens: SpecialTokensOpt = "text",
     events: Annotated[Optional[Path], typer.Option(
         help="Write one JSON object per block and a final summary to this .jsonl file.",
         rich_help_panel="Output")] = None,
@@ -74,7 +76,7 @@ def generate(
         "--check-parity", help="Then run plain AR greedy and report the first divergence, its "
         "logit margin and near-tie vs mismatch (exit 1 on a mismatch). Greedy only.",
         rich_help_panel="Output")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No stats or progress.",
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No stats, progress or thinking.",
                                         rich_help_panel="Output")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Add one line per block.",
                                           rich_help_panel="Output")] = False,
@@ -87,6 +89,7 @@ def generate(
     from .prompt import check_arg_text, read_prompt
     from .. import engine, registry
     from ..chat import prompt_ids
+    from ..inputs import check_special_tokens
     from ..speculate.sampling import check_max_tokens
 
     params = build_sampling(
@@ -99,7 +102,11 @@ def generate(
     check_max_tokens(max_tokens)
     tree = engine.parse_tree(tree)
     check_arg_text(system_prompt, "--system-prompt")
+    check_special_tokens(special_tokens)
     if serve.is_remote(backend, base_url):
+        if special_tokens != "text":
+            raise InvalidArgumentError("--special-tokens parse needs the local engine: a "
+                                       "remote server decides how it encodes a raw prompt")
         if check_parity or events or verbose:
             raise InvalidArgumentError("--check-parity, --events and --verbose need the local "
                                        "engine (--backend local)")
@@ -110,6 +117,7 @@ def generate(
     (requested,) = [1] if no_draft else engine.parse_block_sizes(block_size, allow_list=False)
     settings = engine.EngineSettings(
         block_size=requested, tree=tree, min_confidence=min_confidence, lookup=lookup,
+        adaptive=adaptive,
         pad_verify=pad_verify, draft_bits=draft_bits, weights=weights)
     engine.check(settings)
     from ..distributed import is_speaker, shared_seed, world
@@ -127,13 +135,14 @@ def generate(
     say, note = _say(quiet), None if quiet else render.note
     pair, loaded = engine.load(spec, settings, say, note)
     # the prompt against the target's context and vocabulary, before anything is timed
-    ids = prompt_ids(pair, text, system_prompt, template_kwargs, not no_chat_template)
+    ids = prompt_ids(pair, text, system_prompt, template_kwargs, not no_chat_template,
+                     special_tokens)
     params.processing.check_vocab(pair.target.vocab_size)
     opened = engine.settle(pair, loaded, settings, say, note)
     config, block = opened.config, opened.block_size
-    stats, tokens, interrupted, peak = _stream(pair, ids, config, params, max_tokens, writer,
-                                               verbose, notes=is_speaker(group),
-                                               logprobs=logprobs)
+    stats, tokens, interrupted, peak, split = _stream(
+        pair, ids, config, params, max_tokens, writer, verbose, notes=is_speaker(group),
+        logprobs=logprobs, thinking=not quiet)
     if not quiet:
         for line in render.stats_lines(stats, peak, block):
             render.err.print(line, soft_wrap=True, markup=False)
@@ -150,10 +159,13 @@ def generate(
         writer.summary({
             "versions": versions(), **loaded.models(), "block_size": block,
             "min_confidence": config.min_confidence, "lookup": config.lookup, "tree": config.tree,
+            "adaptive": config.adaptive,
             "verify_pad": dict(config.verify_pad),
             "sampling": {**serve.request_fields(params, max_tokens), **sampling_extras(params)},
-            "logprobs": logprobs, "chat_template": not no_chat_template, "reasoning": reasoning,
-            "prompt_ids": len(ids), "stats": stats.as_dict(), "peak_memory_gb": round(peak, 4),
+            "logprobs": logprobs, "chat_template": not no_chat_template,
+            "special_tokens": special_tokens, "reasoning": reasoning,
+            "prompt_ids": len(ids), **split.summary(), "stats": stats.as_dict(),
+            "peak_memory_gb": round(peak, 4),
             "interrupted": bool(interrupted), "parity": asdict(parity) if parity else None,
         })
         writer.close()
@@ -179,40 +191,45 @@ def _local_only(params, logprobs) -> None:
                                    "a remote server gets temperature, top-p, top-k and the seed")
 
 
-def _stream(pair, ids, config, params, max_tokens, writer, verbose, notes=True, logprobs=None):
+def _stream(pair, ids, config, params, max_tokens, writer, verbose, notes=True, logprobs=None,
+            thinking=True):
     """Stream blocks to stdout; Ctrl-C stops at a block boundary with the caches intact.
     `notes`: say the engine's notes (under mlx.launch rank 0 alone does); `logprobs`: ask the
-    engine for them (the events file records them)."""
+    engine for them (the events file records them); `thinking`: show a thinking model's
+    thinking on stderr (the answer alone goes to stdout either way)."""
     import mlx.core as mx
 
     from ..generate import stream_generate
     from ..stats import Stats
+    from .thinking import SplitText
 
-    stats, tokens, out = Stats(), [], render.TextStream()
+    stats, tokens, out = Stats(), [], render.TextStream(silent=bool(writer and writer.stdout))
+    split = SplitText(out, pair.tokenizer, ids, show=thinking)
     mx.reset_peak_memory()
     gen = stream_generate(pair, ids, config, sampling=params, max_tokens=max_tokens,
                           logprobs=logprobs)
     interrupted = 0  # else the exit code: 130 Ctrl-C, 143 SIGTERM
     try:
         for i, ev in enumerate(gen):
-            out.write(ev.text)
+            row = split.block(ev)
             stats.add(ev)
             tokens += ev.tokens
             if writer:
-                writer.block(i, ev, pair.tokenizer)
+                writer.block(i, ev, pair.tokenizer, row)
             if verbose:
-                out.side_note(render.block_line(i, ev))
+                split.side_note(render.block_line(i, ev))
             if ev.note and notes:  # e.g. the switch to plain AR when the draft accepts nothing
-                out.side_note(f"note: {ev.note}")
+                split.side_note(f"note: {ev.note}")
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (signals.py)
         signals.settle()  # a second one must not cut the cleanup or the stats short
         gen.close()  # the engine's finally blocks leave the caches exact
         interrupted = signals.exit_code(e)
     finally:
+        split.end()
         out.end()
     if interrupted:
         render.note(f"interrupted after {stats.tokens} tokens")
-    return stats, tokens, interrupted, mx.get_peak_memory() / 1e9
+    return stats, tokens, interrupted, mx.get_peak_memory() / 1e9, split
 
 
 @app.command()
@@ -286,6 +303,7 @@ def benchmark(
     weights: WeightsOpt = "auto",
     min_confidence: MinConfidenceOpt = None,
     lookup: LookupOpt = True,
+    adaptive: AdaptiveOpt = True,
     pad_verify: PadVerifyOpt = True,
     dataset: Annotated[str, typer.Option(
         help="gsm8k, math500, humaneval, mbpp, mt-bench; a comma list, or all.")] = "gsm8k",
@@ -325,7 +343,7 @@ def benchmark(
     them (first user turn of each item).
     """
     from . import serve
-    from .. import engine, registry
+    from .. import bounds, engine, registry
     from ..bench import runner as bench
     from ..chat import encoder
     from ..machine import machine, versions
@@ -352,14 +370,14 @@ def benchmark(
     # one path: the benchmark compares block sizes
     wanted = engine.EngineSettings(
         block_size=blocks[0], sweep=tuple(blocks[1:]), tree=0, min_confidence=min_confidence,
-        lookup=lookup, pad_verify=pad_verify, draft_bits=draft_bits, weights=weights)
+        lookup=lookup, adaptive=adaptive, pad_verify=pad_verify, draft_bits=draft_bits,
+        weights=weights)
     engine.check(wanted)
-    if repeats < 1:
-        raise InvalidArgumentError("--repeats must be at least 1")
+    bounds.count("--repeats", repeats)
     metas, sets = bench.select_prompts(dataset, prompts, num_prompts)
     names = list(sets)
     if out is not None:
-        render.EventsWriter(out, "--out").close()  # fail now, not after the run
+        render.check_output(out, "--out")  # fail now, not after the run
     opened = engine.open(spec, wanted, render.progress, render.note)
     pair, config, loaded = opened.pair, opened.config, opened.loaded
     params.processing.check_vocab(pair.target.vocab_size)

@@ -6,6 +6,7 @@ Ctrl-C / SIGTERM into a line and exit 130 / 143.
 
 from __future__ import annotations
 
+import errno
 import functools
 import shutil
 import sys
@@ -15,7 +16,8 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperGroup
 
-from . import render, signals
+from . import environment, render, signals
+from ..bounds import CEILINGS
 from ..errors import DFlashError, InvalidArgumentError
 
 DEFAULT_MAX_TOKENS = 256
@@ -63,14 +65,28 @@ class App(typer.Typer):
             @functools.wraps(f)
             def guarded(*a, **k):
                 try:
-                    return f(*a, **k)
+                    environment.check()
+                    return f(*a, **environment.expand_paths(k))
                 except DFlashError as e:
                     render.error(str(e))
+                    raise typer.Exit(2) from None
+                except OSError as e:  # out of descriptors: one line; anything else is a bug
+                    if e.errno not in (errno.EMFILE, errno.ENFILE):
+                        raise
+                    render.error(f"{e.strerror}: raise the open-file limit (ulimit -n)")
+                    raise typer.Exit(2) from None
+                except MemoryError:  # an allocation MLX or Python refused (load, prefill)
+                    render.error("out of memory: this needs more memory than this process can "
+                                 "hold (a smaller model, context or --max-tokens?)")
                     raise typer.Exit(2) from None
                 except KeyboardInterrupt as e:  # where a command has no stopping point of its own
                     signals.settle()
                     render.note("interrupted")
                     raise typer.Exit(signals.exit_code(e)) from None
+                finally:  # an output file still being written when the command ended is dropped
+                    from ..atomic import discard_pending
+
+                    discard_pending()
 
             register(guarded)
             return f
@@ -115,6 +131,11 @@ LookupOpt = Annotated[bool, typer.Option(
     "--lookup/--no-lookup", help="Where the draft is unsure, try the tokens that followed the same "
     "words earlier in the conversation (v1 drafts). The output is the target's either way.",
     rich_help_panel=M)]
+AdaptiveOpt = Annotated[bool, typer.Option(
+    "--adaptive/--fixed-width", help="Each round, speculate only while it beats plain decoding "
+    "on this machine's measured round costs and the recent acceptance (more so with many "
+    "requests at once); --fixed-width speculates every round. The output is the target's "
+    "either way.", rich_help_panel=M)]
 PadVerifyOpt = Annotated[bool, typer.Option(
     "--pad-verify/--no-pad-verify", help="On the CPU, run a verify pass at a wider width where "
     "this machine's BLAS does that faster (measured once, see `doctor`); the added rows are "
@@ -123,8 +144,19 @@ BlockSizeOpt = Annotated[Optional[str], typer.Option(
     "--block-size", help="Verify width: the last token + B-1 drafted ones, 2..the draft's trained "
     "size; or 'auto' (from the measured verify cost on this machine, see `doctor`). Default: the "
     "models.toml entry's block_size, else 5.", rich_help_panel=M, show_default=False)]
+
+
+def _tree_ceiling(value: str | None) -> str | None:
+    """--tree's ceiling while the command line is parsed, before any model loads (the range
+    and the word itself are checked by `engine.parse_tree`)."""
+    text = "" if value is None else str(value).strip()
+    if text.isdigit() and int(text) > CEILINGS["--tree"]:
+        raise typer.BadParameter(f"at most {CEILINGS['--tree']} nodes, got {text}")
+    return value
+
+
 TreeOpt = Annotated[str, typer.Option(
-    "--tree", help="Verify a best-first tree of this many drafted tokens per round, built "
+    "--tree", callback=_tree_ceiling, help="Verify a best-first tree of this many drafted tokens per round, built "
     "from the draft's top guesses at each slot (DDTree), instead of one path; 0: one path. "
     "auto: 8-64 where `doctor --model` measured that a wide verify pass costs about what the "
     "path's does (GPUs), else 0 (this CPU). v1 drafts on llama/qwen2/qwen3 targets. The "
@@ -142,6 +174,10 @@ SystemOpt = Annotated[Optional[str], typer.Option("--system-prompt", help="Syste
                                                   rich_help_panel=S)]
 NoTemplateOpt = Annotated[bool, typer.Option(
     "--no-chat-template", help="Tokenize the prompt as is.", rich_help_panel=S)]
+SpecialTokensOpt = Annotated[str, typer.Option(
+    "--special-tokens", help="text | parse: special-token text in a raw prompt (say "
+    "<|im_end|>) stays ordinary text, or becomes the control token (parse: a template written "
+    "by hand). Chat messages are always text.", rich_help_panel=S)]
 R = "Remote server"
 BackendOpt = Annotated[str, typer.Option(
     help="local: run the engine here. openai: drive an OpenAI-compatible server at --base-url "
@@ -224,13 +260,13 @@ def parse_logit_bias(text: str | None, flag: str = "--logit-bias") -> dict[int, 
 
 
 def _read_schema(path: Path) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InvalidArgumentError(f"--json-schema {path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        why = getattr(e, "strerror", None) or type(e).__name__
-        raise InvalidArgumentError(f"--json-schema {path}: cannot read ({why})") from None
+    from ..input_files import read_bytes
+
+    try:  # a FIFO or a folder: one line, never a wait
+        return read_bytes(path, "--json-schema").decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidArgumentError(f"--json-schema {path}: cannot read ({type(e).__name__})"
+                                   ) from None
 
 
 def build_sampling(*, temp: float, top_p: float, top_k: int, seed: int | None,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping
 
+from ..bounds import count
 from ..errors import InvalidArgumentError
 
 
@@ -41,6 +42,10 @@ class SpeculationConfig:
         tree: verify a best-first tree of this many drafted nodes per round (DDTree; 0: one
             path). v1 drafts on llama / qwen2 / qwen3 targets; elsewhere one path is verified.
             The context lookup joins a tree as one more branch; the confidence cut does not apply.
+        adaptive: each round, speculate only while it beats plain decoding on this machine's
+            measured round costs and the recent acceptance (`width.py`); False: speculate every
+            round at `block_size` (the default here; `for_pair`, the device defaults, turns it
+            on). Seeded sampling always keeps its widths fixed.
     """
 
     block_size: int = 5
@@ -51,6 +56,7 @@ class SpeculationConfig:
     fallback_after: int | None = None
     draft_free: bool = False
     tree: int = 0
+    adaptive: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "verify_pad", MappingProxyType(dict(self.verify_pad)))
@@ -65,8 +71,8 @@ class SpeculationConfig:
         if self.fallback_after is not None and self.fallback_after < 1:
             raise InvalidArgumentError(
                 f"fallback_after must be at least 1, got {self.fallback_after}")
-        if self.tree < 0:
-            raise InvalidArgumentError(f"--tree must be at least 0, got {self.tree}")
+        if self.tree:  # a tree's mask and verify rows grow with the budget: a ceiling first
+            count("--tree", self.tree, low=0)
 
     @classmethod
     def for_pair(cls, pair, **overrides) -> "SpeculationConfig":
@@ -78,7 +84,7 @@ class SpeculationConfig:
         # verified token costs and the host waits anyway; off the CPU both default to off
         # (auto_min_confidence is 0 there), so a round syncs the host once.
         base = cls(min_confidence=auto_min_confidence(pair.draft), lookup=on_cpu(),
-                   fallback_after=FALLBACK_AFTER)
+                   fallback_after=FALLBACK_AFTER, adaptive=True)
         return base.replace(**overrides)
 
     def replace(self, **overrides) -> "SpeculationConfig":

@@ -1,0 +1,217 @@
+"""The load-adaptive width (`speculate/width.py`): what it chooses, and that no choice changes output.
+
+The controller's rule is checked with scripted round costs and acceptance: it measures
+speculation, then plain decoding, then keeps the faster; a draft that stops paying moves it to
+plain decoding with probes that grow rarer, and a probe that finds acceptance back returns it
+to speculation; costs are kept per batch size, so one load can speculate while a heavier one
+decodes plainly. Exactness does not rest on the rule: with the choice made by a coin, greedy
+output still equals mlx-lm's plain decoding on every target family, alone and in a batch with
+joins and cancellations, and every batched row's cache equals a fresh prefill.
+"""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+
+from dflash_mlx import Session, stream_generate, tiny
+from dflash_mlx import batch as batch_module
+from dflash_mlx import generate as generate_module
+from dflash_mlx.batch import Batch
+from dflash_mlx.speculate import SamplingParams, SpeculationConfig
+from dflash_mlx.speculate.width import PROBE_FIRST, PROBE_MAX, WidthControl
+from support.engine import Oracle, OracleDraft, float32_pair, mlx_lm_greedy
+from support.rows_oracle import Plan, RowsOracleDraft
+
+GATED = {"model_type": "gemma3_text", "num_hidden_layers": 4, "sliding_window": 8,
+         "sliding_window_pattern": 2, "query_pre_attn_scalar": 16,
+         "rope_local_base_freq": 10000.0}
+
+
+def run_rounds(control, keys, rounds, spec_s, plain_s, tau):
+    """Drive `control` for `rounds` rounds with fixed costs; `tau(i)`: tokens a speculative
+    round commits per sequence at round i. Returns the choices."""
+    choices = []
+    for i in range(rounds):
+        wide = control.speculate(keys)
+        control.record(keys, wide, spec_s if wide else plain_s,
+                       [tau(i)] * len(keys) if wide else [1] * len(keys))
+        choices.append(wide)
+    return choices
+
+
+def test_measures_both_kinds_then_keeps_the_faster():
+    c = WidthControl()
+    # speculation commits 2 tokens a round at 1.4 plain steps: it pays (1.43x)
+    choices = run_rounds(c, [0], 40, spec_s=1.4, plain_s=1.0, tau=lambda i: 2)
+    assert choices[:2] == [True, False]  # one of each kind first
+    assert all(choices[2:])
+    # 1.3 tokens at 1.4 steps does not (0.93x): plain, with probes every 4, 8, 16 ... rounds
+    c = WidthControl()
+    choices = run_rounds(c, [0], 300, spec_s=1.4, plain_s=1.0, tau=lambda i: 1.3)
+    wide = [i for i, w in enumerate(choices) if w]  # the first round, then the probes
+    gaps = [b - a - 1 for a, b in zip(wide, wide[1:])]
+    assert gaps[:4] == [PROBE_FIRST, 2 * PROBE_FIRST, 4 * PROBE_FIRST, 8 * PROBE_FIRST]
+    assert max(gaps) == PROBE_MAX and c.probes == len(wide) - 1
+    assert sum(choices) / len(choices) < 0.1  # nearly all of it plain
+
+
+def test_returns_to_speculation_when_acceptance_comes_back():
+    c = WidthControl()
+    # a stretch the draft misses (τ 1), then one it predicts (τ 4)
+    choices = run_rounds(c, [0], 200, spec_s=1.4, plain_s=1.0,
+                         tau=lambda i: 1 if i < 100 else 4)
+    assert sum(choices[20:100]) < 20
+    back = choices.index(True, 100)
+    assert back <= 100 + PROBE_MAX + 1 and all(choices[back + 2:])
+
+
+def test_costs_are_kept_per_batch_size():
+    """At 1 sequence a speculative round is cheap, at 8 it costs 3 plain rounds: the same
+    acceptance speculates alone and decodes plainly under load."""
+    c = WidthControl()
+    one, eight = list(range(1)), list(range(8))
+    for _ in range(10):
+        for keys, spec_s in ((one, 1.3), (eight, 3.0)):
+            wide = c.speculate(keys)
+            c.record(keys, wide, spec_s if wide else 1.0, [2] * len(keys))
+    assert c.speculate(one) is True
+    assert c.speculate(eight) is False
+
+
+def test_sequences_keep_their_own_acceptance():
+    """τ is per sequence: one sequence the draft predicts carries a batch whose other one it
+    misses only when its gain covers the cost; new sequences borrow the others' mean."""
+    c = WidthControl()
+    for _ in range(10):
+        wide = c.speculate(["a", "b"])
+        c.record(["a", "b"], wide, 1.5 if wide else 1.0, [4, 1] if wide else [1, 1])
+    assert c.speculate(["a", "b"]) is True  # (4 + 1) / 1.5 > 2 / 1
+    c.forget("a")
+    for _ in range(10):  # alone with "c", which has no τ yet: it borrows b's (1)
+        wide = c.speculate(["b", "c"])
+        c.record(["b", "c"], wide, 1.5 if wide else 1.0, [1, 1] if wide else [1, 1])
+    assert c.plain_rounds >= 5
+
+
+def test_fixed_rounds_always_speculate_and_seconds_none_is_not_a_cost():
+    c = WidthControl()
+    run_rounds(c, [0], 20, spec_s=2.0, plain_s=1.0, tau=lambda i: 1)
+    assert c.speculate([0]) is False or c.probes > 0
+    assert c.speculate([0], fixed=True) is True
+    c = WidthControl()
+    c.record([0], True, None, [3])  # a first round that also absorbed the prompt
+    assert c.speculate([0]) is True  # its cost is still unknown: measure it
+
+
+def test_seeded_sampling_keeps_fixed_widths(pairs):
+    """The device defaults adapt; a seeded sampling call does not (its draws depend on the
+    widths), nor does a config that asks for fixed widths."""
+    config = SpeculationConfig.for_pair(pairs["qwen3"][0])
+    assert config.adaptive and not SpeculationConfig().adaptive
+    assert generate_module.adaptive_control(config, SamplingParams()) is not None
+    assert generate_module.adaptive_control(config, SamplingParams(0.7)) is not None
+    assert generate_module.adaptive_control(config, SamplingParams(0.7, seed=3)) is None
+    assert generate_module.adaptive_control(config.replace(block_size=1), SamplingParams()) is None
+    assert generate_module.adaptive_control(SpeculationConfig(), SamplingParams()) is None
+
+
+# ------------------------------------------------------------------ exactness under any choice
+
+
+class Coin(WidthControl):
+    """Speculates or not at random: exactness must hold whatever the controller decides."""
+
+    rng = random.Random(0)
+
+    def speculate(self, keys, fixed=False):
+        return fixed or self.rng.random() < 0.5
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("width")
+    draft = tiny.make_draft(root / "draft", tiny.draft_config(block_size=8))
+    draft4 = tiny.make_draft(root / "draft4", tiny.draft_config(
+        target_layers=4, dflash_config={"mask_token_id": tiny.MASK_ID,
+                                        "target_layer_ids": [1, 2]}))
+    targets = {
+        "qwen3": tiny.make_target(root / "qwen3"),
+        "llama": tiny.make_target(root / "llama", model_type="llama", seed=5),
+        "gemma3": tiny.make_target(root / "gemma3", **GATED),
+        "hybrid": tiny.make_hybrid_target(root / "hybrid"),
+    }
+    return {k: (float32_pair(v, draft4 if k == "gemma3" else draft, OracleDraft),
+                float32_pair(v, draft4 if k == "gemma3" else draft, RowsOracleDraft))
+            for k, v in targets.items()}
+
+
+def reference(model, prompt, n):
+    ref = mlx_lm_greedy(model, prompt, n)
+    return ref[: ref.index(tiny.EOS_ID) + 1] if tiny.EOS_ID in ref else ref
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3", "hybrid"])
+def test_any_choice_of_width_decodes_greedy_exactly(pairs, family, monkeypatch):
+    monkeypatch.setattr(generate_module, "WidthControl", Coin)
+    """An oracle draft wrong 30% of the time, so speculative rounds accept ragged counts."""
+    pair = pairs[family][0]
+    config = SpeculationConfig(block_size=6, adaptive=True)
+    for seed in range(6):
+        Coin.rng = random.Random(seed)
+        rng = random.Random(100 + seed)
+        prompt = [rng.randrange(256) for _ in range(rng.randint(2, 30))]
+        ref = reference(pair.target.model, prompt, 32)
+        pair.draft.oracle = Oracle(ref, len(prompt), 0.3, seed)
+        session = Session.new(pair, config)
+        events = list(stream_generate(pair, prompt, config, max_tokens=32, session=session))
+        assert {e.block_size == 1 for e in events[:-1]} == {True, False}  # both kinds ran
+        assert any(e.accepted > 0 for e in events)
+        assert [t for e in events for t in e.tokens] == ref
+        assert pair.target.cache_length(session.target_cache) == len(session.tokens) - 1
+
+
+def _fresh_rows(target, tokens):
+    cache = target.make_cache()
+    target(mx.array([tokens]), cache, taps=False)
+    return [(c.keys[..., : len(tokens), :], c.values[..., : len(tokens), :]) for c in cache]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3"])
+def test_any_choice_in_a_batch_with_joins_and_cancels(pairs, family, monkeypatch):
+    monkeypatch.setattr(batch_module, "WidthControl", Coin)
+    pair = pairs[family][1]
+    config = SpeculationConfig(block_size=5, adaptive=True)
+    for seed in range(3):
+        Coin.rng = random.Random(seed)
+        rng = random.Random(200 + seed)
+        prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 30))] for _ in range(4)]
+        batch = Batch(pair, config)
+        oracles = {i: Oracle(reference(pair.target.model, p, 28), len(p), 0.1 + 0.2 * i, seed)
+                   for i, p in enumerate(prompts)}
+        pair.draft.plan = Plan(batch, oracles)
+        for p in prompts[:3]:
+            batch.add(p, max_tokens=28)
+        outs, kinds, step = {i: [] for i in range(4)}, set(), 0
+        while batch.running:
+            for ev in batch.step():
+                outs[ev.index] += ev.tokens
+                kinds.add(ev.block_size > 1)
+            step += 1
+            if step == 2:
+                batch.add(prompts[3], max_tokens=28)
+            if step == 4 and 1 in batch.running:
+                batch.cancel(1)
+                outs.pop(1)
+            if batch.serial is None:  # each batched row's cache is a fresh prefill
+                for b, index in enumerate(batch.running):
+                    tokens = batch.tokens(index)[:-1]
+                    for c, (k, _) in zip(batch.target_cache, _fresh_rows(pair.target, tokens)):
+                        got_k, _ = c.rows(b)
+                        assert float(mx.abs(got_k - k).max()) < 1e-4 * (float(mx.abs(k).max()) + 1)
+        pair.draft.plan = None
+        assert kinds == {True, False}
+        for i, out in outs.items():
+            assert out == reference(pair.target.model, prompts[i], 28), f"sequence {i}"
