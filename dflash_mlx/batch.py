@@ -108,7 +108,8 @@ class Batch:
         self._count = 0
         self.target_cache = self.draft_cache = None
         # speculation or plain decoding, per round, from the costs measured at each batch size
-        self.control = WidthControl() if config.adaptive and config.block_size > 1 else None
+        self.control = (WidthControl(config.pass_costs)
+                        if config.adaptive and config.block_size > 1 else None)
         if self.serial is None:
             self.target_cache = [RaggedKVCache() for _ in pair.target.cache_types]
             if pair.draft is not None and config.block_size > 1 and not config.draft_free:
@@ -221,7 +222,8 @@ class Batch:
         if self.control is not None:
             seconds = (rounds[0].draft_s + rounds[0].verify_s if self.serial is None
                        else sum(r.draft_s + r.verify_s for r in rounds))
-            self.control.record(keys, wide, seconds, [len(r.tokens) for r in rounds])
+            rows = max(1 + len(r.drafted) for r in rounds)  # every row is padded to the widest
+            self.control.record(keys, wide, seconds, [len(r.tokens) for r in rounds], rows)
         events, done = [], set()
         for i, (s, rnd) in enumerate(zip(self._seqs, rounds)):
             events.append(self._event(s, rnd))

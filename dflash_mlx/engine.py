@@ -180,7 +180,8 @@ def settle(pair, loaded: Loaded, settings: EngineSettings = EngineSettings(), sa
         check_block_size(pair, b, base.draft_free or pair.draft is None, "--block-size")
     pads = verify_pads(pair, loaded.cost_key(), base.draft_free, say, note) \
         if settings.pad_verify else {}
-    config = base.replace(block_size=block, verify_pad=pads)
+    config = base.replace(block_size=block, verify_pad=pads,
+                          pass_costs=pass_costs(pair, loaded.cost_key(), block))
     return Engine(pair, loaded, config.replace(
         tree=choose_tree(pair, loaded, config, settings.tree, note)))
 
@@ -253,6 +254,16 @@ def verify_pads(pair, cost_key: str, draft_free: bool = False, say: Say = None,
             + " tokens wide: cheaper on this BLAS (the added rows are never read; "
             "--no-pad-verify turns it off)")
     return pads
+
+
+def pass_costs(pair, cost_key: str, block: int):
+    """This machine's pass costs for the width controller, where a cost curve was measured
+    (the CPU's, for padding or `doctor`); None: the controller times rounds itself."""
+    from .cpu.cost import known
+    from .cpu.policy import on_cpu
+
+    curve = known(cost_key) if on_cpu() and pair.draft is not None else None
+    return None if curve is None or curve.noisy else curve.pass_costs(block)
 
 
 def choose_tree(pair, loaded: Loaded, config: SpeculationConfig, requested: int | str,

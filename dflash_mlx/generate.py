@@ -323,7 +323,8 @@ def stream_generate(
             if control is not None and block > 1:
                 # the first round's draft also takes the prompt's last chunk: not typical
                 seconds = rnd.draft_s + rnd.verify_s if budget.produced else None
-                control.record(SOLO, wide, seconds, [len(rnd.tokens)])
+                rows = 1 + rnd.nodes if rnd.nodes else config.width(1 + len(rnd.drafted))
+                control.record(SOLO, wide, seconds, [len(rnd.tokens)], rows)
             budget.produced += len(rnd.tokens)
             if rnd.finish == "length" and capped:
                 note = f"stopped at the model's context ({limit} tokens)"
@@ -347,7 +348,7 @@ def adaptive_control(config: SpeculationConfig, params: SamplingParams) -> Width
         return None
     if not params.greedy and params.seed is not None:
         return None
-    return WidthControl()
+    return WidthControl(config.pass_costs)
 
 
 def _event(rnd: Round, text: str, n_prompt: int, n_reused: int, prompt_s: float,

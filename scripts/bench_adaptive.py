@@ -66,6 +66,10 @@ def main() -> None:
     names = list(settings)
     print(f"{spec.target} + {spec.draft}: {len(texts)} prompts from {a.prompts.name}, "
           f"{a.max_tokens} tokens, {a.repeats} repeats, block {config.block_size}", flush=True)
+    costs = config.pass_costs
+    print("pass costs: " + ("none (round seconds are timed)" if costs is None else
+          ", ".join(f"{r} rows {c:.2f}" for r, c in costs.rows) + f"; draft {costs.draft:.2f}"),
+          flush=True)
     rows, diffs = [], 0
     for i, text in enumerate(texts):
         ids = apply_template(pair.tokenizer, [{"role": "user", "content": text}])

@@ -1,7 +1,9 @@
 """Aggregate tokens/s with N prompts at once on the demo pair: batched speculation against the rest.
 
 For each concurrency N (default 1, 2, 4, 8) the same N prompts are decoded greedy by
-  (a) `batch_generate`: one speculative round for all N per step (this project, batched),
+  (a) `batch_generate`: one round for all N per step (this project, batched; each round
+      speculates or decodes plainly as the width controller finds it pays, `--adaptive`),
+  (a') the same at a fixed width (every round speculates, `--fixed-width`),
   (b) `stream_generate` one prompt after another (this project, serial: what the server does today),
   (c) mlx-lm's `BatchGenerator`: batched plain decoding of the same (float32) target,
 interleaved in one process, rotating which goes first; aggregate tok/s = generated tokens /
@@ -88,8 +90,10 @@ def main():
     print(f"target {pair.target_id} ({pair.weights}), draft {pair.draft_id}; "
           f"block {config.block_size}, cut {config.min_confidence}, lookup {config.lookup}; "
           f"batched target: {serial_reason(pair) or 'yes'}", file=sys.stderr)
+    fixed = config.replace(adaptive=False)
     runners = {
         "batched": lambda ps: run_batched(pair, ps, config, args.max_tokens),
+        "fixed": lambda ps: run_batched(pair, ps, fixed, args.max_tokens),
         "serial": lambda ps: run_serial(pair, ps, config, args.max_tokens),
         "mlx-lm": lambda ps: run_mlx_lm(pair, ps, args.max_tokens),
     }
@@ -101,7 +105,7 @@ def main():
         mismatched = 0
         for r in range(args.repeats):
             order = list(runners)
-            order = order[r % 3:] + order[: r % 3]  # rotate who runs first
+            order = order[r % len(order):] + order[: r % len(order)]  # rotate who runs first
             outs = {}
             for name in order:
                 secs, outs[name] = runners[name](prompts)
@@ -112,7 +116,8 @@ def main():
                      "batched_vs_serial": round(med["batched"] / med["serial"], 3),
                      "batched_vs_mlx_lm": round(med["batched"] / med["mlx-lm"], 3),
                      "outputs_differing": mismatched})
-        print(f"N={n}: batched {med['batched']:.1f}  serial {med['serial']:.1f}  "
+        print(f"N={n}: batched {med['batched']:.1f}  fixed {med['fixed']:.1f}  "
+              f"serial {med['serial']:.1f}  "
               f"mlx-lm {med['mlx-lm']:.1f} tok/s  (batched/serial "
               f"{rows[-1]['batched_vs_serial']:.2f}x, batched/mlx-lm "
               f"{rows[-1]['batched_vs_mlx_lm']:.2f}x; batched vs serial outputs differing: "

@@ -21,7 +21,7 @@ from dflash_mlx import batch as batch_module
 from dflash_mlx import generate as generate_module
 from dflash_mlx.batch import Batch
 from dflash_mlx.speculate import SamplingParams, SpeculationConfig
-from dflash_mlx.speculate.width import PROBE_FIRST, PROBE_MAX, WidthControl
+from dflash_mlx.speculate.width import PROBE_FIRST, PROBE_MAX, PassCosts, WidthControl
 from support.engine import Oracle, OracleDraft, float32_pair, mlx_lm_greedy
 from support.rows_oracle import Plan, RowsOracleDraft
 
@@ -215,3 +215,32 @@ def test_any_choice_in_a_batch_with_joins_and_cancels(pairs, family, monkeypatch
         assert kinds == {True, False}
         for i, out in outs.items():
             assert out == reference(pair.target.model, prompts[i], 28), f"sequence {i}"
+
+
+# ------------------------------------------------------------------ with measured pass costs
+
+# a CPU-like curve: a pass of 8 rows 1.3x one row, then about linear (65 rows: 6x)
+CPU = PassCosts(((1, 1.0), (2, 1.05), (4, 1.15), (8, 1.3), (9, 1.5), (17, 2.0), (33, 3.2),
+                 (65, 6.0)), draft=0.2, block=5)
+
+
+def test_pass_costs_interpolate_and_extend():
+    assert CPU.verify(1) == 1.0 and CPU.verify(8) == 1.3
+    assert CPU.verify(3) == pytest.approx(1.1)  # halfway between 2 and 4
+    assert CPU.verify(130) == pytest.approx(12.0)  # past the widest: its cost per row
+    # 8 sequences at width 5: a 40-row verify and a draft pass grown like the target's
+    assert CPU.round(8, 5) == pytest.approx(CPU.verify(40) + 0.2 * CPU.verify(40) / CPU.verify(5))
+
+
+def test_measured_costs_decide_without_timing_plain_rounds():
+    """With pass costs nothing is timed (seconds are ignored): alone, τ 2 at width 5 pays
+    (2 / 1.43 > 1); eight sequences with the same τ verify 40 rows, which does not."""
+    c = WidthControl(CPU)
+    for keys in ([0], list(range(8))):
+        c.record(keys, True, 99.0, [2] * len(keys), 5)
+    assert c.speculate([0]) is True
+    assert c.speculate(list(range(8))) is False
+    assert c._spec == {} and c._plain == {}  # no round seconds were kept
+    low = WidthControl(CPU)
+    low.record([0], True, None, [1], 5)  # a draft that misses: τ 1 at 1.43 steps
+    assert low.speculate([0]) is False

@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from ..machine import cpu_name
 from ..speculate.proposal import propose
+from ..speculate.width import PassCosts
 from . import blas
 
 if TYPE_CHECKING:
@@ -74,6 +75,13 @@ class CostCurve:
         if width in self.tree_widths:
             return self.tree_verify[self.tree_widths.index(width)]
         return None
+
+    def pass_costs(self, block: int) -> PassCosts:
+        """Its passes as the width controller reads them (`speculate/width.py`): a pass of
+        R rows, padded as the engine pads, and a draft pass at `block`."""
+        rows = sorted({(w, self.verify_at(w)) for w in self.widths + self.tree_widths})
+        i = self.widths.index(block) if block in self.widths else -1
+        return PassCosts(tuple(rows), (self.draft[i] or 0.0) if i >= 0 else 0.0, block)
 
     def pads(self, margin: float = PAD_MARGIN) -> dict[int, int]:
         """{W: wider W'} for the widths whose verify pass is cheaper run at a wider width.

@@ -11,6 +11,7 @@ from typing import Mapping
 
 from ..bounds import count
 from ..errors import InvalidArgumentError
+from .width import PassCosts
 
 
 LOOKUP_MAX_BLOCK = 16  # a lookup continuation longer than this rarely holds to its end
@@ -46,6 +47,8 @@ class SpeculationConfig:
             measured round costs and the recent acceptance (`width.py`); False: speculate every
             round at `block_size` (the default here; `for_pair`, the device defaults, turns it
             on). Seeded sampling always keeps its widths fixed.
+        pass_costs: this machine's relative cost of a target pass by rows and of a draft pass
+            (the CPU's cost curve), which `adaptive` weighs; None: it times rounds instead.
     """
 
     block_size: int = 5
@@ -57,6 +60,7 @@ class SpeculationConfig:
     draft_free: bool = False
     tree: int = 0
     adaptive: bool = False
+    pass_costs: PassCosts | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "verify_pad", MappingProxyType(dict(self.verify_pad)))

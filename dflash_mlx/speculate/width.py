@@ -1,10 +1,13 @@
 """Load-adaptive verify width: speculate only while it pays, on this machine, now.
 
 A speculative round costs a draft pass and a wider verify pass; it pays when the tokens it
-commits per second beat plain decoding's. Both sides are measured as generation goes: the
-seconds of each kind of round per batch size (a wide verify of many rows costs more than a
-few, so the answer changes with the load) and each sequence's tokens per speculative round
-(τ). Before every round `WidthControl.speculate` picks the faster kind for the whole batch:
+commits per second beat plain decoding's. The cost of each kind of round depends on the batch
+size (a wide verify of many rows costs more than a few, so the answer changes with the load):
+with `PassCosts`, this machine's measured cost of a target pass of R rows (the CPU's cost
+curve, `cpu/cost.py`, timed once and cached), it is computed; without, the seconds of each
+kind of round are measured as generation goes. Each sequence's tokens per speculative round
+(τ) and the rows a speculative pass verifies are measured as it goes. Before every round
+`WidthControl.speculate` picks the faster kind for the whole batch:
 speculation at the configured width, or width 1 (plain decoding, no draft pass). While plain
 decoding wins it still probes speculation now and then, less often each time a probe shows it
 does not pay, so acceptance that returns is noticed.
@@ -16,11 +19,14 @@ sampling is exact at any width. Only a seeded sampling request must keep its wid
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
-# Averages are plain means over the first rounds, then moving averages with this weight on the
-# newest: a round's seconds vary a few %, its committed tokens from 1 to the block.
-TIME_EMA = 0.2
+# A round's seconds: the fastest of the last few of its kind (a busy machine only adds time,
+# and adds it to both kinds alike). Committed tokens (1 to the block per round): a plain mean
+# over the first rounds, then a moving average with this weight on the newest.
+TIME_WINDOW = 8
 TAU_EMA = 0.1
 PROBE_EMA = 0.3  # a probe is the only news of acceptance while plain decoding runs: it counts more
 # Leave speculation only when it is clearly behind (one slow round or a few misses are noise);
@@ -42,16 +48,68 @@ class _Mean:
         return self.value
 
 
+@dataclass(frozen=True)
+class PassCosts:
+    """A target pass of R rows and a draft pass, relative to a pass of one row.
+
+    Args:
+        rows: (R, cost) pairs, R ascending, (1, 1.0) first: the measured widths.
+        draft: one draft pass over one sequence's block.
+        block: the block that draft pass was timed at.
+    """
+
+    rows: tuple[tuple[int, float], ...]
+    draft: float
+    block: int
+
+    def verify(self, rows: float) -> float:
+        """A pass of `rows` rows (a batch: every sequence's rows together): linear between
+        the measured widths, and on from the widest at its cost per row."""
+        widths = [r for r, _ in self.rows]
+        i = bisect_left(widths, rows)
+        if i < len(widths) and widths[i] == rows:
+            return self.rows[i][1]
+        if i == 0:
+            return self.rows[0][1]
+        if i == len(widths):
+            r, c = self.rows[-1]
+            return c * rows / r
+        (r0, c0), (r1, c1) = self.rows[i - 1], self.rows[i]
+        return c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
+
+    def round(self, n: int, width: float) -> float:
+        """A speculative round of `n` sequences verifying `width` rows each: the verify pass
+        and a draft pass that grows with its rows as the target's does."""
+        draft = self.draft * self.verify(n * self.block) / self.verify(self.block)
+        return self.verify(n * width) + draft
+
+
+class _Fastest:
+    """The least of the last TIME_WINDOW values."""
+
+    def __init__(self):
+        self.recent: list[float] = []
+
+    def feed(self, x: float):
+        self.recent = self.recent[1 - TIME_WINDOW:] + [x]
+
+    @property
+    def value(self) -> float:
+        return min(self.recent)
+
+
 class WidthControl:
     """Chooses, round by round, between speculation and plain decoding for a batch.
 
-    One instance lives as long as its batch (or one `stream_generate` call) and learns this
-    machine's round costs per batch size; sequences come and go by their keys.
+    One instance lives as long as its batch (or one `stream_generate` call); sequences come
+    and go by their keys. `costs`: this machine's pass costs (None: round seconds measured).
     """
 
-    def __init__(self):
-        self._spec: dict[int, _Mean] = {}  # batch size -> seconds per speculative round
-        self._plain: dict[int, _Mean] = {}  # batch size -> seconds per plain round
+    def __init__(self, costs: PassCosts | None = None):
+        self.costs = costs
+        self._width = _Mean(TAU_EMA)  # rows per sequence of a speculative verify pass
+        self._spec: dict[int, _Fastest] = {}  # batch size -> seconds per speculative round
+        self._plain: dict[int, _Fastest] = {}  # batch size -> seconds per plain round
         self._tau: dict[Hashable, _Mean] = {}  # sequence -> tokens per speculative round
         self._tau_all = _Mean(TAU_EMA)  # every sequence's, for those not measured yet
         self._wait, self._since = PROBE_FIRST, 0
@@ -63,15 +121,20 @@ class WidthControl:
         """Whether this round of the sequences `keys` speculates; `fixed`: it must (a seeded
         sampling request is in the batch)."""
         n = len(keys)
-        spec, plain = self._spec.get(n), self._plain.get(n)
-        if fixed or spec is None or not self._tau_all.n:
-            return self._spec_round()  # measure speculation first
-        if plain is None:
-            return self._plain_round()  # then plain decoding, once
+        if fixed or not self._tau_all.n:
+            return self._spec_round()  # measure acceptance first
+        if self.costs is not None:
+            spec, plain = self.costs.round(n, self._width.value), self.costs.verify(n)
+        else:
+            spec, plain = (t.value if t else None for t in (self._spec.get(n), self._plain.get(n)))
+            if spec is None:
+                return self._spec_round()  # measure speculation first
+            if plain is None:
+                return self._plain_round()  # then plain decoding, once
         known = [self._tau[k].value for k in keys if k in self._tau]
         fill = sum(known) / len(known) if known else self._tau_all.value
-        gain = sum(self._tau[k].value if k in self._tau else fill for k in keys) / spec.value
-        if gain >= n / plain.value * (1 - MARGIN if self._wide else 1):
+        gain = sum(self._tau[k].value if k in self._tau else fill for k in keys) / spec
+        if gain >= n / plain * (1 - MARGIN if self._wide else 1):
             self._wait, self._since = PROBE_FIRST, 0
             return self._spec_round()
         if self._since >= self._wait:  # a probe: has acceptance come back?
@@ -93,16 +156,18 @@ class WidthControl:
         return False
 
     def record(self, keys: Sequence[Hashable], speculated: bool, seconds: float | None,
-               committed: Sequence[int] = ()):
+               committed: Sequence[int] = (), width: int = 1):
         """One round's outcome: its seconds (None: not typical, e.g. a draft catching up on
-        a whole prompt) and, when it speculated, each sequence's committed token count."""
+        a whole prompt) and, when it speculated, each sequence's committed token count and
+        the rows per sequence its verify pass ran (padding included)."""
         weight = None
         if speculated and self._catching_up:
             seconds, weight = None, PROBE_EMA
-        if seconds is not None and seconds > 0:
+        if seconds is not None and seconds > 0 and self.costs is None:
             table = self._spec if speculated else self._plain
-            table.setdefault(len(keys), _Mean(TIME_EMA)).feed(seconds)
+            table.setdefault(len(keys), _Fastest()).feed(seconds)
         if speculated:
+            self._width.feed(width)
             for k, c in zip(keys, committed):
                 self._tau.setdefault(k, _Mean(TAU_EMA)).feed(c, weight)
                 self._tau_all.feed(c)
