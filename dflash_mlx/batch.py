@@ -204,7 +204,8 @@ class Batch:
         if not self._seqs:
             return []
         keys = [s.index for s in self._seqs]
-        wide = self.control is None or self.control.speculate(keys, any(s.fixed for s in self._seqs))
+        fixed = any(s.fixed for s in self._seqs)
+        wide = self.control is None or self.control.speculate(keys, fixed)
         for s in self._seqs:
             width = min(s.block if wide else 1, s.budget.max_tokens - s.budget.produced)
             drafts = width > 1 and not s.req.lookup_only

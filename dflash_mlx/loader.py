@@ -23,6 +23,7 @@ from .models.target import Target
 from .models.target_config import check_target_folder
 from .template_probe import check_template
 from . import machine
+from .input_files import check_regular
 from .paths import expand
 
 # Never *.py (no remote code) and never *.bin / *.pt (no pickle).
@@ -54,6 +55,8 @@ def resolve(path_or_repo: str | os.PathLike, patterns: list[str], revision: str 
     """A local folder/file, or a Hub repo fetched with narrow `allow_patterns`."""
     path = expand(path_or_repo)
     if path.exists():
+        if not path.is_dir():  # a model file (.gguf): a FIFO or device would block or mislead
+            check_regular(path, "model")
         return path
     name = str(path_or_repo)
     if name.startswith((".", "/", "~")) or name.count("/") != 1:

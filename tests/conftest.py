@@ -103,6 +103,18 @@ def tiny(tmp_path_factory) -> SimpleNamespace:
     return ns
 
 
+@pytest.fixture(scope="session")
+def tiny_tok(tmp_path_factory):
+    """The tiny models' tokenizer (ChatML specials), loaded as mlx-lm loads one."""
+    from mlx_lm.utils import load_tokenizer
+
+    from dflash_mlx.tiny import write_tokenizer
+
+    folder = tmp_path_factory.mktemp("tok")
+    write_tokenizer(folder)
+    return load_tokenizer(folder)
+
+
 @pytest.fixture
 def isolated_cache(tmp_path, monkeypatch) -> Path:
     """A private dflash-mlx cache and an empty, offline Hugging Face cache."""

@@ -237,6 +237,16 @@ def test_an_input_that_is_not_a_file_is_one_line(case, kind, tiny, measured, tmp
     one_error_line(r, f"{flag} {bad}: is {what}, not a regular file")
 
 
+@pytest.mark.parametrize("flag", ["--model", "--draft"])
+def test_a_model_file_that_is_a_fifo_is_one_line(flag, tiny, tmp_path):
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    paths = {"--model": tiny.target, "--draft": tiny.draft, flag: fifo}
+    args = [x for kv in paths.items() for x in kv]
+    r = _within(20, fifo, lambda: invoke("generate", "Hi", *args))
+    one_error_line(r, f"{fifo}: is a pipe (FIFO), not a regular file")
+
+
 def test_train_text_fifo_is_one_line(tmp_path):
     fifo = _fifo(tmp_path)
     args = ["train-draft", "--out", tmp_path / "out", "--text", fifo, "--steps", 1]

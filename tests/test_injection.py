@@ -18,17 +18,6 @@ from dflash_mlx.errors import InvalidArgumentError
 
 
 @pytest.fixture(scope="module")
-def tiny_tok(tmp_path_factory):
-    from mlx_lm.utils import load_tokenizer
-
-    from dflash_mlx.tiny import write_tokenizer
-
-    folder = tmp_path_factory.mktemp("tok")
-    write_tokenizer(folder)
-    return load_tokenizer(folder)
-
-
-@pytest.fixture(scope="module")
 def demo_tok():
     from dflash_mlx.demo import target as demo
     from dflash_mlx.gguf.reader import load_gguf

@@ -155,8 +155,8 @@ def reference(model, prompt, n):
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3", "hybrid"])
 def test_any_choice_of_width_decodes_greedy_exactly(pairs, family, monkeypatch):
-    monkeypatch.setattr(generate_module, "WidthControl", Coin)
     """An oracle draft wrong 30% of the time, so speculative rounds accept ragged counts."""
+    monkeypatch.setattr(generate_module, "WidthControl", Coin)
     pair = pairs[family][0]
     config = SpeculationConfig(block_size=6, adaptive=True)
     for seed in range(6):
