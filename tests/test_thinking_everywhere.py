@@ -76,6 +76,17 @@ def test_generate_quiet_leaves_the_answer_alone(thinker, served):
     assert r.stdout == served[1] + "\n" and r.stderr == ""
 
 
+def test_generate_against_the_server_shows_its_thinking_apart(thinker, served):
+    """`generate --backend openai`: the server's reasoning_content on stderr, the answer alone
+    on stdout, as the local engine shows them."""
+    server = thinker[2]
+    r = CliRunner().invoke(cli, ["generate", QUESTION, "--backend", "openai", "--base-url",
+                                 server.url, "--max-tokens", "32"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout == served[1] + "\n"
+    assert "thinking: " + served[0] in r.stderr and ANSWER not in r.stderr
+
+
 @pytest.mark.asyncio
 async def test_the_chat_shows_the_servers_thinking(thinker, served):
     target, draft, _ = thinker

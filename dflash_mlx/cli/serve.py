@@ -55,6 +55,7 @@ def remote_generate(base_url: str, api_key: str | None, model: str | None, text:
     """`generate --backend openai`: stream one completion and render it like a local one."""
     from ..registry import reasoning_kwargs
     from ..server.openai_client import OpenAIClient
+    from .thinking import SplitText
 
     if not use_template and system:
         raise InvalidArgumentError("--system-prompt needs the chat template (drop "
@@ -64,13 +65,16 @@ def remote_generate(base_url: str, api_key: str | None, model: str | None, text:
     stream = client.stream(prompt, model=model, template_kwargs=reasoning_kwargs(None, reasoning),
                            meta_info=True, **request_fields(params, max_tokens))
     out, interrupted = render.TextStream(), False
+    split = SplitText(out, show=not quiet)  # the server's reasoning_content, dim on stderr
     try:
         for delta in stream:
-            out.write(delta)
+            split.split(stream.result.reasoning[len(split.reasoning):], delta)
     except KeyboardInterrupt:
         stream.close()  # the server sees the disconnect and stops at its next block
         interrupted = True
     finally:
+        split.split(stream.result.reasoning[len(split.reasoning):], "")
+        split.end()
         out.end()
     if interrupted:
         render.note(f"interrupted after {stream.result.chunks} chunks")

@@ -12,7 +12,7 @@ import sys
 
 from rich.text import Text
 
-from ..reasoning import ReasoningDelta, ReasoningStream
+from ..reasoning import ContentDelta, ReasoningDelta, ReasoningStream
 from . import render
 
 LABEL = "thinking: "
@@ -23,13 +23,14 @@ class SplitText:
 
     Args:
         out: the stdout stream.
-        tokenizer, prompt: where the markers and the opening state come from.
+        tokenizer, prompt: where the markers and the opening state come from (None: the
+            text comes already split, from a server: `split`).
         show: write the thinking (off with --quiet, and on ranks that do not speak).
     """
 
-    def __init__(self, out: render.TextStream, tokenizer, prompt, show: bool = True):
+    def __init__(self, out: render.TextStream, tokenizer=None, prompt=None, show: bool = True):
         self.out, self.show = out, show
-        self.stream = ReasoningStream(tokenizer, prompt)
+        self.stream = None if tokenizer is None else ReasoningStream(tokenizer, prompt)
         self.reasoning, self.content = "", ""
         self._shown = False  # the label is out; the thinking line is open
         self._answering = False  # answer text has reached stdout
@@ -42,9 +43,14 @@ class SplitText:
             deltas += self.stream.finish()
         return self._write(deltas)
 
+    def split(self, thinking: str, content: str) -> dict:
+        """Write text a server already split (`reasoning_content` and `content`)."""
+        return self._write([d for d in (ReasoningDelta(thinking), ContentDelta(content))
+                            if d.text])
+
     def end(self) -> dict:
         """The end of the run (an interrupted one too): what was still held back."""
-        row = self._write(self.stream.finish())
+        row = self._write(self.stream.finish() if self.stream is not None else [])
         self._close_thinking()
         return row
 
@@ -87,7 +93,8 @@ class SplitText:
         self._last = text[-1]
 
     def _answer(self, text: str) -> None:
-        if not self._answering and self.stream.reasoning_text_seen:
+        seen = self.reasoning if self.stream is None else self.stream.reasoning_text_seen
+        if not self._answering and seen:
             # the template's layout after the end marker ("\n\n") is no answer
             text = text.lstrip()
         if not text:

@@ -160,6 +160,8 @@ class Stream:
                 if text:
                     r.text += text
                     yield text
+                elif generated:
+                    yield ""  # thinking only (in `result.reasoning`): the reader sees it now
         except (OSError, ValueError) as e:
             raise ServerError(f"the stream broke off ({type(e).__name__}: {e})") from None
         finally:
