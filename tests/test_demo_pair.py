@@ -84,7 +84,7 @@ def test_cut_replay_equals_a_real_run(pair):
     for p in (0.0, 0.1, 0.3):
         for lookup in (True, False):
             events = list(stream_generate(pair, ids, max_tokens=48, min_confidence=p,
-                                          lookup=lookup))
+                                          lookup=lookup, adaptive=False))
             real = [(len(ev.drafted), ev.accepted) for ev in events
                     if len(ev.drafted) + ev.trimmed == 4]
             assert len(real) >= 10

@@ -290,8 +290,9 @@ def test_serve_under_mlx_launch_answers_like_one_process(models, tmp_path):
     the launcher alone ends both ranks."""
     from support import server as ss
 
+    # fixed widths: ranks never adapt (their clocks differ), so neither may the single process
     args = ["--model", models["qwen3"], "--draft", models["draft"], "--block-size", "5",
-            "--log-level", "warning"]
+            "--fixed-width", "--log-level", "warning"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     holder = socket.socket()  # the HTTP port, held until the launcher has picked the ring's
     holder.bind((ss.HOST, 0))
