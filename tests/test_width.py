@@ -21,7 +21,8 @@ from dflash_mlx import batch as batch_module
 from dflash_mlx import generate as generate_module
 from dflash_mlx.batch import Batch
 from dflash_mlx.speculate import SamplingParams, SpeculationConfig
-from dflash_mlx.speculate.width import PROBE_FIRST, PROBE_MAX, PassCosts, WidthControl
+from dflash_mlx.speculate.width import (PROBE_FIRST, PROBE_MAX, PROBE_SHARE, PassCosts,
+                                        WidthControl)
 from support.engine import Oracle, OracleDraft, float32_pair, mlx_lm_greedy
 from support.rows_oracle import Plan, RowsOracleDraft
 
@@ -56,6 +57,20 @@ def test_measures_both_kinds_then_keeps_the_faster():
     assert gaps[:4] == [PROBE_FIRST, 2 * PROBE_FIRST, 4 * PROBE_FIRST, 8 * PROBE_FIRST]
     assert max(gaps) == PROBE_MAX and c.probes == len(wide) - 1
     assert sum(choices) / len(choices) < 0.1  # nearly all of it plain
+
+
+def test_probes_of_a_wide_batch_cost_a_bounded_share():
+    """8 sequences the draft misses: a probe costs 3 plain rounds and commits what one does,
+    so it loses 2; probes come rarely enough that they cost at most PROBE_SHARE of the time
+    (a single sequence, losing 0.1 a probe, probes every 4, 8, ... rounds as above)."""
+    c = WidthControl()
+    keys = list(range(8))
+    choices = run_rounds(c, keys, 1000, spec_s=3.0, plain_s=1.0, tau=lambda i: 1)
+    wide = [i for i, w in enumerate(choices) if w]
+    gaps = [b - a - 1 for a, b in zip(wide, wide[1:])]
+    assert len(gaps) >= 5 and min(gaps) >= 2 / PROBE_SHARE
+    plain = len(choices) - len(wide)
+    assert c.probes * 2.0 <= PROBE_SHARE * plain * 1.05
 
 
 def test_returns_to_speculation_when_acceptance_comes_back():

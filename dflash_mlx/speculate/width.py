@@ -33,7 +33,10 @@ PROBE_EMA = 0.3  # a probe is the only news of acceptance while plain decoding r
 # come back as soon as it is ahead.
 MARGIN = 0.05
 PROBE_FIRST = 4  # plain rounds before the first probe of speculation
-PROBE_MAX = 32  # the longest run of plain rounds between two probes (one probe: ~3% of them)
+PROBE_MAX = 32  # then twice as many after each probe that did not pay, up to this many
+# ... and never so often that probes cost more than this share of plain decoding's time (a
+# probe of a wide batch loses more than one of a single sequence)
+PROBE_SHARE = 0.03
 
 
 class _Mean:
@@ -133,11 +136,13 @@ class WidthControl:
                 return self._plain_round()  # then plain decoding, once
         known = [self._tau[k].value for k in keys if k in self._tau]
         fill = sum(known) / len(known) if known else self._tau_all.value
-        gain = sum(self._tau[k].value if k in self._tau else fill for k in keys) / spec
-        if gain >= n / plain * (1 - MARGIN if self._wide else 1):
+        tokens = sum(self._tau[k].value if k in self._tau else fill for k in keys)
+        if tokens / spec >= n / plain * (1 - MARGIN if self._wide else 1):
             self._wait, self._since = PROBE_FIRST, 0
             return self._spec_round()
-        if self._since >= self._wait:  # a probe: has acceptance come back?
+        # what a probe loses against plain rounds committing the same tokens, in plain rounds
+        loss = (spec - tokens * plain / n) / plain
+        if self._since >= max(self._wait, loss / PROBE_SHARE):  # has acceptance come back?
             self._since, self._wait = 0, min(2 * self._wait, PROBE_MAX)
             self.probes += 1
             return self._spec_round()
