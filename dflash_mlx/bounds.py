@@ -14,7 +14,10 @@ from .errors import InvalidArgumentError
 # Ceilings per flag. A tree of 64 nodes is the widest `--tree auto` picks; doctor's context
 # is far past what a timing needs. `serve --max-tokens` applies to every request that sets
 # none, so it is bounded here too (a run's own --max-tokens stops at the model's context).
+# `benchmark --concurrency` stops where `serve --max-batch` does: one batch, or one client
+# thread per request.
 CEILINGS = {
+    "--concurrency": 256,
     "--tree": 1024,
     "--context": 1 << 20,
     "--repeats": 1000,

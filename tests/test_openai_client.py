@@ -107,7 +107,7 @@ def test_client_errors_are_one_line(ours, mlx_lm_server):
         assert r.exit_code == 2 and msg in r.stderr and r.stderr.count("\n") == 1, r.output
     for args, msg in ((["generate", "Hi", "--backend", "openai"], "needs --base-url"),
                       (["generate", "Hi", "--base-url", ours.url], "goes with --backend openai"),
-                      (["benchmark", "--concurrency", 4], "--concurrency goes with"),
+                      (["benchmark", "--concurrency", 0], "--concurrency must be at least 1"),
                       (["generate", "Hi", "--backend", "grpc"], "--backend must be")):
         r = invoke(*args)
         assert r.exit_code == 2 and msg in r.stderr, r.output
@@ -125,6 +125,8 @@ def test_benchmark_backend_openai(ours, mlx_lm_server, tmp_path):
         assert (row["requests"], row["completion_tokens"], row["concurrency"]) == (3, 24, 2)
         assert row["speculation_source"] == "dflash-mlx" and row["tau"] == 1.0
         assert row["throughput_tps"] > 0 and row["usage_reported"]
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p95_ms"]
+        assert 0 < row["tpot_p50_ms"] <= row["tpot_p95_ms"]
     assert "gsm8k" in r.stdout and "mbpp" in r.stdout
 
     r = invoke("benchmark", "--backend", "openai", "--base-url", mlx_lm_server.url,

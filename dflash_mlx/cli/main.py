@@ -334,19 +334,22 @@ def benchmark(
     backend: BackendOpt = "local",
     base_url: BaseUrlOpt = None,
     api_key: ApiKeyOpt = None,
-    concurrency: Annotated[int, typer.Option(
-        help="With --backend openai: requests in flight at once.", rich_help_panel=R)] = 1,
+    concurrency: Annotated[Optional[int], typer.Option(
+        help="Requests in flight at once (first user turn of each item; a new one as one "
+        "ends). Locally: plain decoding vs DFlash in one batch; with --backend openai: the "
+        "server (default 1). Aggregate tok/s, p50/p95 TTFT and time per output token.",
+        rich_help_panel=R, show_default=False)] = None,
 ):
     """AR vs DFlash on the same target and prompts: speedup, τ, acceptance, greedy match.
 
-    With --backend openai: completion tokens/s of a server, τ and acceptance where it reports
-    them (first user turn of each item).
+    With --concurrency N: N requests in flight, plain vs DFlash in one batch; aggregate tok/s,
+    p50/p95 TTFT and TPOT. With --backend openai: the same of a server, τ and acceptance where
+    it reports them (first user turn of each item).
     """
-    from . import serve
+    from . import bench_local, serve
     from .. import bounds, engine, registry
     from ..bench import runner as bench
     from ..chat import encoder
-    from ..machine import machine, versions
     from ..speculate.sampling import check_max_tokens
 
     params = build_sampling(
@@ -355,18 +358,20 @@ def benchmark(
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
         logit_bias=logit_bias)
     check_max_tokens(max_tokens)
+    if concurrency is not None:
+        bounds.count("--concurrency", concurrency)
     if serve.is_remote(backend, base_url):
         _local_only(params, None)
         return serve.remote_benchmark(base_url, api_key, model, dataset, prompts, num_prompts,
-                                      concurrency, params, max_tokens, reasoning, out)
-    if concurrency != 1:
-        raise InvalidArgumentError("--concurrency goes with --backend openai (the local engine "
-                                   "runs one stream)")
+                                      concurrency or 1, params, max_tokens, reasoning, out)
     spec = registry.resolve(model, draft)
     template_kwargs = registry.reasoning_kwargs(spec.entry, reasoning)
     if block_size is None:  # the registry entry's
         block_size = str(engine.default_block(spec.entry))
     blocks = engine.parse_block_sizes(block_size, allow_auto=False)
+    if concurrency is not None and len(blocks) > 1:
+        raise InvalidArgumentError("--concurrency compares one block size with plain decoding: "
+                                   "give one --block-size, not a list")
     # one path: the benchmark compares block sizes
     wanted = engine.EngineSettings(
         block_size=blocks[0], sweep=tuple(blocks[1:]), tree=0, min_confidence=min_confidence,
@@ -375,30 +380,13 @@ def benchmark(
     engine.check(wanted)
     bounds.count("--repeats", repeats)
     metas, sets = bench.select_prompts(dataset, prompts, num_prompts)
-    names = list(sets)
     if out is not None:
         render.check_output(out, "--out")  # fail now, not after the run
     opened = engine.open(spec, wanted, render.progress, render.note)
-    pair, config, loaded = opened.pair, opened.config, opened.loaded
-    params.processing.check_vocab(pair.target.vocab_size)
-    samples = bench.run(pair, sets, encoder(pair, template_kwargs), block_sizes=blocks,
-                        sampling={"sampling": params, "max_tokens": max_tokens},
-                        repeats=repeats, progress=render.note, config=config)
-    rows = bench.summarize(samples, blocks, greedy=params.greedy)
-    render.out.print(render.bench_table(rows, f"{loaded.spec.target} + {loaded.spec.draft}"))
-    if out is not None:
-        settings = {**serve.request_fields(params, max_tokens), **sampling_extras(params),
-                    "block_sizes": blocks,
-                    "min_confidence": config.min_confidence,
-                    "lookup": config.lookup, "verify_pad": dict(config.verify_pad),
-                    "num_prompts": max(len(v) for v in sets.values()),
-                    "repeats": repeats, "reasoning": reasoning, "datasets": names,
-                    "warmup": f"{bench.WARMUP_TOKENS} tokens per system on {bench.WARMUP_PROMPT!r}"}
-        card = bench.card(machine=machine(), versions=versions(), models=loaded.models(),
-                          settings=settings, rows=rows, samples=bench.per_sample(samples, blocks),
-                          datasets={n: {**metas[n], "items": len(sets[n])} for n in names})
-        render.write_file(out, json.dumps(card, indent=1, ensure_ascii=False), "--out")
-        render.note(f"card written to {out}")
+    params.processing.check_vocab(opened.pair.target.vocab_size)
+    bench_local.run(opened, metas, sets, encoder(opened.pair, template_kwargs), params=params,
+                    max_tokens=max_tokens, blocks=blocks, repeats=repeats,
+                    concurrency=concurrency, reasoning=reasoning, out=out)
 
 
 # chat, serve, train-draft, fetch-demo live in commands.py; importing it registers them

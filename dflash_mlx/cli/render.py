@@ -381,27 +381,3 @@ def remote_stats_lines(c, server: str) -> list[str]:
     else:
         lines.append("Acceptance: n/a (the server reports no speculation stats)")
     return lines
-
-
-def remote_bench_table(rows: list[dict], title: str) -> Table:
-    t = Table(title=title, title_justify="left",
-              caption="tok/s = completion tokens ÷ wall time with `conc` requests in flight; "
-              "decode = per request, after its first token; τ and accept/pos as the server "
-              "reports them (n/a: it does not)", caption_justify="left")
-    for col in ("dataset", "n", "conc", "tokens", "tok/s", "decode tok/s", "TTFT ms", "τ",
-                "accept/pos", "stats from"):
-        left = col in ("dataset", "accept/pos", "stats from")
-        t.add_column(col, justify="left" if left else "right", no_wrap=col == "dataset",
-                     overflow="fold")
-
-    def num(x, fmt):
-        return "n/a" if x is None else format(x, fmt)
-
-    for r in rows:
-        rates = " ".join(f"{x:.0%}" for x in r["acceptance_rates"]) or (
-            "n/a" if r["tau"] is None else "-")
-        t.add_row(r["dataset"], str(r["requests"]), str(r["concurrency"]),
-                  str(r["completion_tokens"]), num(r["throughput_tps"], ".1f"),
-                  num(r["decode_tps"], ".1f"), num(r["ttft_ms"], ".0f"), num(r["tau"], ".2f"),
-                  rates, r["speculation_source"] or "n/a")
-    return t

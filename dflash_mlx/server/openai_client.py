@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from ..errors import DFlashError
+from ..latency import spread_ms, tpot
 from .auth import check_key
 
 
@@ -40,6 +41,7 @@ class Completion:
     chunks: int = 0  # chunks that carried generated text (possibly empty): ~ tokens or blocks
     start: float = field(default_factory=time.perf_counter)
     first: float | None = None  # first generated chunk: time to first token
+    last: float | None = None  # last generated chunk: with `first`, time per output token
     end: float | None = None
     speculation: dict | None = None  # tau, acceptance_rates, drafted/accepted tokens, source
 
@@ -51,6 +53,11 @@ class Completion:
     @property
     def ttft_s(self) -> float | None:
         return None if self.first is None else self.first - self.start
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (`latency.tpot`)."""
+        return tpot(self.first, self.last, self.tokens)
 
     @property
     def decode_tps(self) -> float | None:
@@ -155,8 +162,9 @@ class Stream:
                 text, generated = self._event(json.loads(payload))
                 if generated:
                     r.chunks += 1
+                    r.last = time.perf_counter()
                     if r.first is None:
-                        r.first = time.perf_counter()
+                        r.first = r.last
                 if text:
                     r.text += text
                     yield text
@@ -346,7 +354,8 @@ def _mean(xs) -> float | None:
 
 
 def summarize(runs: list[RemoteRun]) -> list[dict]:
-    """One row per dataset: throughput, latency, and speculation where the server shows it."""
+    """One row per dataset: throughput, latency (mean and p50/p95 TTFT, p50/p95 TPOT over its
+    requests), and speculation where the server shows it."""
     rows = []
     for run in runs:
         cs = run.completions
@@ -365,6 +374,8 @@ def summarize(runs: list[RemoteRun]) -> list[dict]:
             "throughput_tps": round(tokens / run.wall_s, 3) if run.wall_s > 0 else None,
             "decode_tps": _round(_mean(c.decode_tps for c in cs), 3),
             "ttft_ms": _round(_mean((c.ttft_s or 0) * 1e3 for c in cs if c.ttft_s is not None), 1),
+            **spread_ms("ttft", (c.ttft_s for c in cs)),
+            **spread_ms("tpot", (c.tpot_s for c in cs)),
             "tau": _round(tau, 4), "acceptance_rates": [round(r, 4) for r in rates],
             "speculation_source": source,
             "usage_reported": all(c.completion_tokens is not None for c in cs),
