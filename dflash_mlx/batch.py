@@ -42,7 +42,7 @@ from .speculate import SamplingParams, SpeculationConfig, guards
 from .speculate.batch_cache import RaggedKVCache, filter_rows
 from .speculate.batch_draft import make_draft_caches
 from .speculate.batch_round import Row, batch_round
-from .speculate.rounds import Request, path_round
+from .speculate.rounds import Request, Round, path_round
 from .speculate.sampling import check_max_tokens
 from .speculate.width import WidthControl
 
@@ -52,6 +52,7 @@ class BatchEvent(BlockEvent):
     """A `BlockEvent` of one sequence of a batch."""
 
     index: int = -1  # the sequence, as `Batch.add` numbered it
+    error: Exception | None = None  # its round failed (finish_reason "error"): it alone ended
 
 
 def serial_reason(pair) -> str | None:
@@ -83,6 +84,7 @@ class _Seq:
     prompt: tuple[int, int, float]  # (prefilled, reused, seconds)
     row: Row | None = None  # batched: tokens and pending taps (the caches are the batch's)
     session: Session | None = None  # serial: its own caches
+    home: Session | None = None  # batched: the caller's session, which gets the row back
     widths: tuple | None = None  # serial: this round's (width, (draft key, verify key))
     fixed: bool = False  # seeded sampling: its widths must not depend on the load
     note: str | None = None
@@ -125,14 +127,16 @@ class Batch:
             session: Session | None = None) -> int:
         """Prefill `prompt` now; it joins the next `step()`. Returns its index.
 
-        `session`: caches to start from (only what the prompt adds to them is prefilled). A
-        batched target copies them, so the session stays at the prompt; a serial one decodes
-        in them, as `stream_generate` does.
+        `session`: caches to start from (only what the prompt adds to them is prefilled). The
+        sequence ends in it, as with `stream_generate`: a batched target decodes in copies in
+        the batch's caches and writes its row back into the session when it leaves; a serial
+        one decodes in the session itself.
         """
         pair, config = self.pair, self.config
         params = sampling or SamplingParams()
         if params.constraint is not None:
             raise InvalidArgumentError("structured output (grammars) is not available in a batch yet")
+        home = session  # where the sequence's caches go when it leaves (a batched target)
         session, lookup_only = _settle(pair, config, session, params)
         ids = encode_prompt(pair, prompt)
         budget = _Budget(set(getattr(pair.tokenizer, "eos_token_ids", None) or []),
@@ -154,6 +158,7 @@ class Batch:
                    limit_note=limit_note)
         if self.serial is None:
             self._join(seq, session)
+            seq.home = home
         else:
             seq.session = session
         seq.prompt = (n_prompt, n_reused, time.perf_counter() - tic)
@@ -192,12 +197,25 @@ class Batch:
 
     def _leave(self, rows: set[int]):
         keep = [i for i in range(len(self._seqs)) if i not in rows]
-        if self.control is not None:
-            for i in rows:
-                self.control.forget(self._seqs[i].index)
+        for i in sorted(rows):
+            s = self._seqs[i]
+            if self.control is not None:
+                self.control.forget(s.index)
+            if s.home is not None:
+                self._write_back(i, s)
         self._seqs = [self._seqs[i] for i in keep]
         filter_rows(self.target_cache, keep)
         filter_rows(self.draft_cache, keep)
+
+    def _write_back(self, b: int, s: _Seq):
+        """Row b's caches, tokens and pending taps into its session, as a single-sequence run
+        would leave them (a server's next turn of that conversation reuses the reply)."""
+        home, s.home = s.home, None
+        home.target_cache[:] = [c.export(b) for c in self.target_cache]
+        if self.draft_cache is not None and home.draft_cache is not None:
+            home.draft_cache[:] = [c.export(b) for c in self.draft_cache]
+        home.tokens, home.pending = list(s.row.tokens), s.row.pending
+        mx.eval([c.state for c in home.target_cache + (home.draft_cache or [])])
 
     def step(self) -> list[BatchEvent]:
         """One round for every running sequence: one event each; finished ones leave."""
@@ -218,8 +236,7 @@ class Batch:
             rounds = batch_round(self.pair, self.config, [s.row for s in self._seqs],
                                  self.target_cache, self.draft_cache)
         else:  # one sequence after another, each with its own caches
-            rounds = [path_round(self.pair, s.session, self.config, s.widths[0], s.req, s.widths[1])
-                      for s in self._seqs]
+            rounds = [self._serial_round(s) for s in self._seqs]
         if self.control is not None:
             seconds = (rounds[0].draft_s + rounds[0].verify_s if self.serial is None
                        else sum(r.draft_s + r.verify_s for r in rounds))
@@ -234,6 +251,12 @@ class Batch:
             self._leave(done)
         return events
 
+    def _serial_round(self, s: _Seq) -> Round:
+        try:
+            return path_round(self.pair, s.session, self.config, s.widths[0], s.req, s.widths[1])
+        except Exception as e:  # this sequence alone ends (its own caches go with it)
+            return Round([], "error", [], 0, None, 0.0, 0.0, error=e)
+
     def _event(self, s: _Seq, rnd) -> BatchEvent:
         s.budget.produced += len(rnd.tokens)
         note, s.note = s.note, None
@@ -243,7 +266,7 @@ class Batch:
             s.block, s.watch, note = 1, None, s.watch.note  # the rest is plain decoding
         text = _text(s.detok, rnd.tokens, rnd.finish, s.budget.eos)
         ev = _event(rnd, text, *s.prompt, s.budget.produced, note)
-        return BatchEvent(**vars(ev), index=s.index)
+        return BatchEvent(**vars(ev), index=s.index, error=rnd.error)
 
     def tokens(self, index: int) -> list[int]:
         """A running sequence's tokens so far (prompt included)."""
@@ -276,7 +299,8 @@ def batch_generate(
 
     Yields:
         `BatchEvent`s; `event.index` is the prompt's position in `prompts`, and each
-        sequence's last event carries its `finish_reason`.
+        sequence's last event carries its `finish_reason`: "error" with `event.error` when
+        that sequence alone failed (its processors raised, its logits were not finite).
     """
     n = len(prompts)
     params = list(sampling) if isinstance(sampling, Sequence) else [sampling] * n

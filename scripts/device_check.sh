@@ -2,7 +2,9 @@
 # One command for a GPU machine (MLX's CUDA backend, or a Mac's Metal), the same unchanged on
 # the CPU: `dflash-mlx doctor` (MLX, BLAS, memory and the verify-cost curve W = 1..16), the
 # per-round cost against context (scripts/bench_context.py) and the loop's own overhead
-# (scripts/bench_overhead.py), printed as one table.
+# (scripts/bench_overhead.py) and aggregate tok/s with 1-8 concurrent requests on the demo pair
+# (scripts/bench_batch.py: batched speculation, serial, mlx-lm's batched plain decoding),
+# printed as one table.
 #
 # Usage: scripts/device_check.sh [--quick]
 #   default: a Qwen3-0.6B-shaped random 4-bit target, contexts 512 2k 8k 16k;
@@ -17,10 +19,12 @@ if [ "${1:-}" = "--quick" ]; then
   CTX_ARGS="--shape small --contexts 512 2048 --rounds 4"
   OVH_ARGS="--shape tiny --tokens 64 --repeats 3"
   DOC_SHAPE="tiny"
+  BATCH_ARGS="--concurrency 1,2 --max-tokens 32 --repeats 1"
 else
   CTX_ARGS="--shape qwen3-0.6b --quantize --contexts 512 2048 8192 16384 --rounds 8"
   OVH_ARGS="--shape tiny --tokens 128 --repeats 3"
   DOC_SHAPE="qwen3-0.6b"
+  BATCH_ARGS="--concurrency 1,2,4,8 --max-tokens 96 --repeats 3"
 fi
 
 echo "== dflash-mlx doctor --shape $DOC_SHAPE" >&2
@@ -32,6 +36,10 @@ echo "== bench_context.py $CTX_ARGS" >&2
 echo "== bench_overhead.py $OVH_ARGS" >&2
 # shellcheck disable=SC2086
 "$PY" scripts/bench_overhead.py $OVH_ARGS --json "$OUT/overhead.json" >&2
+echo "== bench_batch.py $BATCH_ARGS" >&2
+# shellcheck disable=SC2086
+"$PY" scripts/bench_batch.py $BATCH_ARGS --json "$OUT/batch.json" >&2 \
+  || echo '{"rows": []}' > "$OUT/batch.json"
 
 "$PY" - "$OUT" <<'EOF'
 import json, sys
@@ -63,6 +71,11 @@ rows.append(("loop efficiency (tiny)", f"{ovh['efficiency']:.3f}  (round {ovh['r
              f" = draft {ovh['draft_ms']:.2f} + verify {ovh['verify_ms']:.2f} ideal)"))
 rows.append(("oracle tok/s vs mlx-lm", f"{ovh['tokens_s']:.1f} vs {ovh['mlx_lm_tokens_s']:.1f}"
              f"  ({ovh['speedup']:.2f}x)"))
+for r in json.loads((out / "batch.json").read_text())["rows"]:
+    rows.append((f"{r['n']} requests, tok/s",
+                 f"batched {r['batched_tps']:.1f}  fixed width {r['fixed_tps']:.1f}  serial "
+                 f"{r['serial_tps']:.1f}  mlx-lm batched {r['mlx-lm_tps']:.1f}  (outputs "
+                 f"differing: {r['outputs_differing']})"))
 width = max(len(k) for k, _ in rows)
 for k, v in rows:
     print(f"{k:<{width}}  {v}")

@@ -62,8 +62,10 @@ def test_quiet_and_verbose(tiny):
 
 def test_lookup_is_shown_and_can_be_turned_off(tiny):
     """The tiny target's answer repeats itself, so the context lookup fills draft slots."""
-    on = gen(tiny, "Hi", "--max-tokens", 40, "--verbose", "--block-size", 3)
-    off = gen(tiny, "Hi", "--max-tokens", 40, "--verbose", "--block-size", 3, "--no-lookup")
+    # fixed widths: the load-adaptive width may decode plainly, which looks nothing up
+    on = gen(tiny, "Hi", "--max-tokens", 40, "--verbose", "--block-size", 3, "--fixed-width")
+    off = gen(tiny, "Hi", "--max-tokens", 40, "--verbose", "--block-size", 3, "--no-lookup",
+              "--fixed-width")
     assert on.exit_code == 0 and off.exit_code == 0
     assert on.stdout == off.stdout  # exact either way
     marks = "".join(ln.split()[1] for ln in on.stderr.splitlines() if ln.startswith("#"))

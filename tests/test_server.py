@@ -28,7 +28,7 @@ def servers(tiny, tmp_path_factory):
                       "--fixed-width"], logs / "plain.log")
     keyed = ss.start(["--model", tiny.oracle_target, "--draft", tiny.oracle_draft,
                       "--block-size", "4", "--min-confidence", "0", "--api-key", KEY,
-                      "--queue-size", "1", "--fixed-width",
+                      "--queue-size", "1", "--fixed-width", "--max-batch", "1",
                       "--served-model-name", "oracle", "--log-level", "warning"],
                      logs / "keyed.log")
     try:

@@ -92,10 +92,10 @@ def serve(
         "(e.g. http://localhost:3000), or '*' for any. Default: none.")] = None,
     queue_size: Annotated[int, typer.Option(
         help="Requests that may wait for the engine; beyond that, 503 with Retry-After.")] = 64,
-    max_batch: Annotated[int, typer.Option(
+    max_batch: Annotated[Optional[int], typer.Option(
         help="Requests decoded together (continuous batching), at most what this machine's "
-        "memory holds for the target's caches; 1 (the default): one at a time, which keeps "
-        "replies in the prompt cache.")] = 1,
+        "memory holds for the target's caches (the default); 1: one at a time.",
+        show_default=False)] = None,
     cache_slots: Annotated[int, typer.Option(
         help="Conversations whose caches are kept for reuse, least recently used dropped "
         "first (one under mlx.launch).")] = 4,

@@ -93,9 +93,8 @@ def remote_benchmark(base_url: str, api_key: str | None, model: str | None, data
     from ..bench import runner as bench
     from ..registry import reasoning_kwargs
     from ..server.openai_client import OpenAIClient, run_benchmark, summarize
+    from .bench_tables import remote_bench_table
 
-    if concurrency < 1:
-        raise InvalidArgumentError("--concurrency must be at least 1")
     metas, items = bench.select_prompts(dataset, prompts, num_prompts)
     if out is not None:
         render.check_output(out, "--out")  # fail now, not after the run
@@ -106,7 +105,7 @@ def remote_benchmark(base_url: str, api_key: str | None, model: str | None, data
     runs = run_benchmark(client, sets, model=model, concurrency=concurrency, sampling=fields,
                          template_kwargs=reasoning_kwargs(None, reasoning), progress=render.note)
     rows = summarize(runs)
-    render.out.print(render.remote_bench_table(rows, f"{model or 'served model'} at {client.v1}"))
+    render.out.print(remote_bench_table(rows, f"{model or 'served model'} at {client.v1}"))
     if out is not None:
         card = {"schema": REMOTE_CARD_SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "server": client.v1, "model": model,
@@ -247,22 +246,24 @@ def serve(spec, settings: engine.EngineSettings, *, host: str, port: int, api_ke
 
 
 def _worker(pair, config, queue_size: int, max_batch: int | None, **cache):
-    """One request at a time (`Worker`), or continuous batching (`BatchWorker`) when asked and
-    the pair and its settings allow it, as wide as the machine's memory holds."""
-    from ..server.batch_worker import BatchWorker, batch_refusal, batch_that_fits
+    """One request at a time (`Worker`), or continuous batching (`BatchWorker`) when the pair
+    and its settings allow it, as wide as asked or, by default, as the machine's memory holds."""
+    from ..server.batch_worker import BatchWorker, batch_refusal
+    from ..server.memory import RequestMemory
+    from ..server.prompt_cache import default_bytes
     from ..server.worker import Worker
 
-    max_batch = max_batch or 1
-    why = batch_refusal(pair, config) if max_batch > 1 else None
+    why = batch_refusal(pair, config) if max_batch != 1 else None
     if why is not None:
         render.note(f"requests run one at a time: {why}")
     if max_batch == 1 or why is not None:
         return Worker(pair, config, queue_size, **cache)
-    fits = batch_that_fits(pair, cache["cache_bytes"])
-    if max_batch > fits:
+    cache_bytes = cache["cache_bytes"] or default_bytes()
+    fits = RequestMemory.of(pair).width(cache_bytes)
+    if max_batch is not None and max_batch > fits:
         render.note(f"--max-batch {max_batch} is more than this machine's memory holds for the "
                     f"target's caches: {fits}")
-        max_batch = fits
+    max_batch = min(max_batch or fits, fits)
     render.note(f"continuous batching: up to {max_batch} requests decoded together")
     return BatchWorker(pair, config, queue_size, max_batch=max_batch, **cache)
 

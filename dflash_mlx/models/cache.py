@@ -50,6 +50,18 @@ class ContextCache:
         self._v[:, :, at:at + k.shape[2]] = v
         return at
 
+    @classmethod
+    def holding(cls, keys: mx.array | None, values: mx.array | None, offset: int,
+                max_rows: int | None = None) -> "ContextCache":
+        """A cache whose readable rows are `keys`/`values` (1, H, n, D), the last at absolute
+        position `offset - 1` (a sequence leaving a batch takes its rows with it)."""
+        c = cls(max_rows)
+        c.offset = offset
+        c.start = c._base = offset - (0 if keys is None else keys.shape[2])
+        if keys is not None and keys.shape[2]:
+            c._k, c._v = keys, values
+        return c
+
     def append(self, k: mx.array, v: mx.array):
         self._write(k, v)
         self.offset += k.shape[2]

@@ -246,8 +246,10 @@ def create_app(worker: Worker, cfg: ServerConfig) -> Starlette:
             raise
         if isinstance(msg, Failed):
             raise APIError(msg.status, msg.message)
-        if msg.finish_reason == "cancelled":
-            raise APIError(503, "generation stopped: the server is shutting down")
+        if msg.finish_reason == "cancelled":  # shutting down, or its client left
+            if worker.closing:
+                raise APIError(503, "generation stopped: the server is shutting down")
+            raise APIError(499, "the client closed the request")
         return job, deltas, msg
 
     def event_stream(chunks) -> StreamingResponse:

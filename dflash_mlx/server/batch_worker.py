@@ -7,9 +7,13 @@ same stop strings, log-probabilities, stats and timings as one request at a time
 on its finish reason, a stop string, or its client leaving: it leaves the batch at that round
 boundary, the others go on exactly.
 
-Prompt cache: a job holds its slot while it runs, and gives it back unchanged: the batch
-decodes in copies of the slot's caches, so the slot keeps the prompt (the next turn of that
-conversation reuses the prompt, not this reply).
+Prompt cache: a job holds its slot while it runs; the batch decodes in copies of the slot's
+caches and writes the job's row back into the slot when it leaves, so the next turn of that
+conversation reuses the reply too, as with one request at a time.
+
+Memory (`memory.py`): a job whose cache could not fit even alone is refused with a 400; one
+that does not fit beside the running jobs and the prompt cache waits (first in line, so no
+later job overtakes it) until one of them ends.
 
 Requests the batch cannot take (grammars: response_format, a forced tool choice) run one at
 a time between two rounds, as `Worker` runs every request. A round that raises fails every
@@ -22,21 +26,14 @@ import logging
 import queue
 from dataclasses import dataclass
 
-from mlx.utils import tree_flatten
 from mlx_lm.generate import wired_limit
 
 from ..batch import Batch, serial_reason
 from ..errors import InvalidArgumentError
 from ..generate import Session
-from ..machine import memory_gb
-from ..models.target import _text_args
-from .prompt_cache import default_bytes
 from .worker import Failed, Job, Output, Worker
 
 log = logging.getLogger("dflash_mlx.server")
-
-MAX_BATCH = 16  # the widest default
-SEQUENCE_TOKENS = 4096  # a typical request's prompt and answer, for the default width
 
 
 def batch_refusal(pair, config, group=None) -> str | None:
@@ -49,35 +46,12 @@ def batch_refusal(pair, config, group=None) -> str | None:
     return serial_reason(pair)
 
 
-def kv_bytes_per_token(pair) -> int:
-    """The target's K/V cache bytes per token (every layer; the draft's are far fewer)."""
-    args = _text_args(pair.target.model)
-    heads = args.get("num_attention_heads") or 1
-    kv_heads = args.get("num_key_value_heads") or heads
-    head_dim = args.get("head_dim") or max((pair.target.hidden_size or heads) // heads, 1)
-    embed = pair.target.embed_tokens
-    like = getattr(embed, "scales", None)  # quantized: the activations' dtype, not the packing
-    like = like if like is not None else embed.weight
-    return 2 * pair.target.num_layers * kv_heads * head_dim * like.dtype.size
-
-
-def batch_that_fits(pair, cache_bytes: int | None = None) -> int:
-    """How many requests fit at once: half of the memory left beside the weights and the
-    prompt cache, in sequences of SEQUENCE_TOKENS, between 1 and MAX_BATCH."""
-    mem = memory_gb()
-    total = (mem.get("gpu_working_set_gb") or mem.get("total_gb") or 16.0) * 1e9
-    models = [pair.target.model] + ([pair.draft] if pair.draft is not None else [])
-    weights = sum(v.nbytes for m in models for _, v in tree_flatten(m.parameters()))
-    free = total - weights - (default_bytes() if cache_bytes is None else cache_bytes)
-    tokens = min(pair.target.context_length or SEQUENCE_TOKENS, SEQUENCE_TOKENS)
-    return max(1, min(MAX_BATCH, int(free / 2 / (kv_bytes_per_token(pair) * tokens))))
-
-
 @dataclass
 class _Running:
     job: Job
     out: Output
     session: Session  # its prompt-cache slot, held until the job ends
+    bytes: int  # the cache it may grow to (prompt and max_tokens)
 
 
 class BatchWorker(Worker):
@@ -88,6 +62,7 @@ class BatchWorker(Worker):
         self.max_batch = max_batch
         self.batch = Batch(pair, config)
         self.active: dict[int, _Running] = {}  # by batch index (changed under `lock`)
+        self.waiting: Job | None = None  # taken from the queue, joins when memory frees
         self.rounds = self.rows = 0  # batched rounds, and sequences summed over them
 
     @property
@@ -98,8 +73,13 @@ class BatchWorker(Worker):
         super().cancel_all()
         with self.lock:
             running = list(self.active.values())
-        for r in running:
-            r.job.cancel()
+        for job in [r.job for r in running] + [self.waiting]:
+            if job is not None:
+                job.cancel()
+
+    @property
+    def queued(self) -> int:
+        return self.jobs.qsize() + (self.waiting is not None)
 
     def _loop(self) -> None:
         while True:
@@ -108,7 +88,7 @@ class BatchWorker(Worker):
             with wired_limit(self.pair.target.model):
                 try:
                     self._take(job)
-                    while self.active:
+                    while self.active or self.waiting:
                         self._round()
                         self._admit()
                 except Exception as e:  # never let the worker end
@@ -117,17 +97,35 @@ class BatchWorker(Worker):
     def _admit(self) -> None:
         """Queued jobs join while there is room (between two rounds)."""
         while len(self.active) < self.max_batch:
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
+            job, self.waiting = self.waiting, None
+            if job is None:
+                try:
+                    job = self.jobs.get_nowait()
+                except queue.Empty:
+                    return
+            refused = self._refused(job)
+            if refused is not None:
+                job.emit(refused)
+            elif self.active and not self._fits(job):
+                self.waiting = job  # until a running job ends
                 return
-            self._take(job)
+            else:
+                self._start(job)
+
+    def _fits(self, job: Job) -> bool:
+        held = sum(r.bytes for r in self.active.values())
+        return self.memory.admits(held, self.cache.info()["bytes"],
+                                  len(job.ids) + job.max_tokens)
 
     def _take(self, job: Job) -> None:
         refused = self._refused(job)
         if refused is not None:
             job.emit(refused)
-        elif job.sampling.constraint is not None:  # the batch has no grammars yet
+        else:
+            self._start(job)
+
+    def _start(self, job: Job) -> None:
+        if job.sampling.constraint is not None:  # the batch has no grammars yet
             self._serve(job)  # one at a time, between two rounds
         else:
             self._join(job)
@@ -145,7 +143,8 @@ class BatchWorker(Worker):
             job.emit(self._failed(e))
             return
         with self.lock:
-            self.active[index] = _Running(job, Output(self, job), session)
+            self.active[index] = _Running(job, Output(self, job), session,
+                                          self.memory.need(len(job.ids) + job.max_tokens))
 
     def _round(self) -> None:
         for index, r in list(self.active.items()):  # clients that left: out before the round
@@ -162,6 +161,9 @@ class BatchWorker(Worker):
         self.rounds, self.rows = self.rounds + 1, self.rows + len(events)
         for ev in events:
             r = self.active[ev.index]
+            if ev.error is not None:  # its own round failed: it alone ends, it left the batch
+                self._end(ev.index, self._failed(ev.error))
+                continue
             try:
                 finish = r.out.feed(ev)
             except Exception as e:  # this request's own output failed: it alone ends

@@ -22,6 +22,7 @@ from ..generate import Session, stream_generate
 from ..speculate import SamplingParams, SpeculationConfig
 from ..errors import DFlashError, InvalidArgumentError
 from ..stats import Stats
+from .memory import RequestMemory
 from .prompt_cache import DEFAULT_SLOTS, PromptCache
 
 log = logging.getLogger("dflash_mlx.server")
@@ -217,6 +218,7 @@ class Worker:
         self.pair, self.config = pair, config
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self.cache = PromptCache(pair, self._new_session, cache_slots, cache_bytes)
+        self.memory = RequestMemory.of(pair)  # what a request's cache may take
         self.session: Session | None = None  # the running job's (`_generate` runs in it)
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
         self.total = Stats()  # every request since start, for /health (guarded by `lock`)
@@ -330,9 +332,15 @@ class Worker:
         job.emit(final)
 
     def _refused(self, job: Job) -> Failed | None:
-        """A job taken from the queue after its client left, or while shutting down."""
+        """A job taken from the queue after its client left, while shutting down, or whose
+        cache this machine's memory cannot hold."""
         if not (job.cancelled.is_set() or self.closing):
-            return None
+            why = self.memory.refusal(len(job.ids), job.max_tokens)
+            if why is None:
+                return None
+            self.counts["failed"] += 1
+            log.warning("refused: %s", why)
+            return Failed(400, why)
         self.counts["cancelled"] += 1
         return (Failed(503, "the server is shutting down") if self.closing
                 else Failed(499, "cancelled before it started"))
@@ -342,7 +350,7 @@ class Worker:
         self.counts["failed"] += 1
         if isinstance(e, DFlashError):
             return Failed(400 if isinstance(e, InvalidArgumentError) else 500, str(e))
-        log.exception("generation failed")
+        log.error("generation failed", exc_info=e)
         return Failed(500, f"generation failed ({type(e).__name__}: {e})")
 
     def _cached(self, job: Job) -> Done:

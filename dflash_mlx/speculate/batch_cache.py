@@ -19,6 +19,9 @@ Sequences join with `add` (their own prefill, then a copy) and leave with `filte
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from ..models.cache import ContextCache
 
 
 class _Rows:
@@ -170,6 +173,15 @@ class RaggedKVCache(_Rows):
         v = None if cache.values is None else cache.values[..., :n, :]
         self._add(k, v, n)
 
+    def export(self, b: int) -> KVCache:
+        """Row b as a single-sequence mlx-lm `KVCache` of its own (a copy: the batch's buffer
+        is not kept alive by it)."""
+        c = KVCache()
+        k, v = self.rows(b)
+        if k is not None:
+            c.keys, c.values, c.offset = mx.contiguous(k), mx.contiguous(v), k.shape[2]
+        return c
+
     def is_trimmable(self) -> bool:
         return False  # rows roll back one by one: `set_lengths`
 
@@ -265,6 +277,14 @@ class RaggedContextCache(_Rows):
         if self.keys is None or hi == lo:
             return None, None
         return self.keys[b: b + 1, :, lo:hi], self.values[b: b + 1, :, lo:hi]
+
+
+    def export(self, b: int) -> ContextCache:
+        """Row b as a single-sequence draft `ContextCache` of its own."""
+        k, v = self.rows(b)
+        if k is not None:
+            k, v = mx.contiguous(k), mx.contiguous(v)
+        return ContextCache.holding(k, v, self.pos[b], self.max_rows)
 
 
 def set_lengths(caches: list[RaggedKVCache], lengths: list[int]):

@@ -8,7 +8,9 @@ its verify rows, greedy acceptance or exact rejection sampling, the stop rule. T
 verifies every row in one pass of the widest row's width (shorter rows are padded; their
 padding is never read). Then each row keeps exactly what it accepted: its target cache row
 ends at its own new length (`RaggedKVCache.set_lengths`, in `finally`, so an exception leaves
-every row as it was), its taps wait for the next draft pass.
+every row as it was), its taps wait for the next draft pass. A row whose processors raise or
+whose logits are not finite keeps nothing and ends (finish "error", `Round.error`); the other
+rows go on exactly.
 
 As in `rounds.py`, the round syncs the host once (the drafted ids, the answers and the logits
 guard together) unless the lookup or the cut read the draft's tokens first.
@@ -117,16 +119,25 @@ def batch_round(pair, config, rows: list[Row], target_cache: list,
             last = mx.array([r.tokens[-1]], mx.int32)
             ids.append(mx.concatenate([last, p.tokens, mx.repeat(last, W - w)]))
         logits, taps = pair.target(mx.stack(ids), target_cache, taps=draft_cache is not None)
-        # each row's verify rows, through its own processors (row i after drafted slots 1..i)
-        rows_logits = [
-            _processed(r.req.params, r.tokens, lambda p=p, w=w: [p.tokens[:i] for i in range(w)],
-                       logits[b, :w])
-            for b, (r, p, w) in enumerate(zip(rows, props, widths))]
+        # each row's verify rows, through its own processors (row i after drafted slots 1..i);
+        # a row whose processors or logits fail ends alone, the others go on
+        errors: list[Exception | None] = [None] * len(rows)
+        rows_logits = []
+        for b, (r, p, w) in enumerate(zip(rows, props, widths)):
+            try:
+                rows_logits.append(_processed(
+                    r.req.params, r.tokens, lambda p=p, w=w: [p.tokens[:i] for i in range(w)],
+                    logits[b, :w]))
+            except Exception as e:
+                errors[b] = e
+                rows_logits.append(logits[b, :w])
         answers = [_answer(lg, p.tokens, p.q, r) for lg, p, r in zip(rows_logits, props, rows)]
-        finite = mx.all(mx.stack([guards.logits_ok(lg) for lg in rows_logits]))
-        host = mx.concatenate([*(p.tokens for p in props), *answers,
-                               finite.astype(mx.int32)[None]]).tolist()
-        guards.check_logits(host.pop(), pair.target_id)
+        finite = mx.stack([guards.logits_ok(lg) for lg in rows_logits]).astype(mx.int32)
+        host = mx.concatenate([*(p.tokens for p in props), *answers, finite]).tolist()
+        for b, ok in enumerate(host[-len(rows):]):
+            if not ok and errors[b] is None:
+                errors[b] = guards.logits_error(pair.target_id)
+        host = host[: -len(rows)]
         at = sum(w - 1 for w in widths)
         drafted_all, answer_all = host[:at], host[at:]
         out, commits = [], []
@@ -134,6 +145,10 @@ def batch_round(pair, config, rows: list[Row], target_cache: list,
             drafted, drafted_all = drafted_all[: w - 1], drafted_all[w - 1:]
             n_ans = w if r.req.params.greedy else 2
             answer, answer_all = answer_all[:n_ans], answer_all[n_ans:]
+            if errors[b] is not None:  # it keeps nothing of this round and leaves
+                commits.append([])
+                out.append(Round([], "error", drafted, 0, p.hint, draft_s, 0.0, error=errors[b]))
+                continue
             accepted, nxt = greedy_accept(drafted, answer) if r.req.params.greedy else answer
             new, finish = r.req.stop(drafted[:accepted] + [nxt])
             lps, tops = _logprobs(rows_logits[b], new, r.req.logprobs)
@@ -142,6 +157,8 @@ def batch_round(pair, config, rows: list[Row], target_cache: list,
             out.append(Round(new, finish, drafted, accepted, p.hint, draft_s, 0.0,
                              trimmed=trimmed, logprobs=lps, top_logprobs=tops))
         for b, (r, new) in enumerate(zip(rows, commits)):
+            if not new:
+                continue
             r.tokens.extend(new)
             lengths[b] = bases[b] + len(new)
             if taps is not None:

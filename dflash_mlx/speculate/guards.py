@@ -29,9 +29,13 @@ def logits_ok(logits: mx.array) -> mx.array:
 def check_logits(ok, model: str) -> None:
     """Raise one line naming `model` when `ok` (from `logits_ok`, already evaluated) is False."""
     if not bool(ok.item() if isinstance(ok, mx.array) else ok):
-        raise NonFiniteLogitsError(
-            f"{model}: the target's logits are NaN or infinite; the checkpoint or its "
-            "quantization is broken (try other weights or --weights float32)")
+        raise logits_error(model)
+
+
+def logits_error(model: str) -> NonFiniteLogitsError:
+    return NonFiniteLogitsError(
+        f"{model}: the target's logits are NaN or infinite; the checkpoint or its "
+        "quantization is broken (try other weights or --weights float32)")
 
 
 class AcceptanceWatch:

@@ -68,6 +68,7 @@ class Round:
     branch: int = 0  # ... accepted tokens off the draft's argmax path
     logprobs: list[float] | None = None  # per emitted token, when asked (`_logprobs`)
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    error: Exception | None = None  # a batched row's own failure (finish "error"; nothing kept)
 
 
 def _sync(pair, logits: mx.array, answer: mx.array, *head: mx.array) -> list[int]:

@@ -1,0 +1,78 @@
+"""A batched sequence started from a `Session` ends in it, as a single-sequence run would:
+its target cache rows are a fresh prefill of its tokens, its draft context plus pending taps
+cover the same positions, and the next turn in that session decodes exactly what a fresh
+session does (the server's prompt cache reuses batched replies this way)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from dflash_mlx import Session, stream_generate, tiny
+from dflash_mlx.batch import Batch
+from dflash_mlx.models.dflash import DFlashDraftModel
+from dflash_mlx.speculate import SpeculationConfig
+from support.engine import float32_pair
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch-sessions")
+    return float32_pair(tiny.make_target(root / "t"),
+                        tiny.make_draft(root / "d", tiny.draft_config(block_size=8)),
+                        DFlashDraftModel)
+
+
+def _fresh(target, tokens):
+    cache = target.make_cache()
+    target(mx.array([tokens]), cache, taps=False)
+    return [(c.keys[..., : len(tokens), :], c.values[..., : len(tokens), :]) for c in cache]
+
+
+def _close(a, b) -> bool:
+    return float(mx.abs(a - b).max()) / (float(mx.abs(b).max()) + 1e-6) < 1e-4
+
+
+def _check_session(pair, s: Session):
+    cached = s.tokens[:-1]  # the last token is the next round's first slot
+    assert all(c.offset == len(cached) for c in s.target_cache)
+    for c, (k, v) in zip(s.target_cache, _fresh(pair.target, cached)):
+        assert c.keys[..., : c.offset, :].shape == k.shape
+        assert _close(c.keys[..., : c.offset, :], k) and _close(c.values[..., : c.offset, :], v)
+    pending = 0 if s.pending is None else s.pending.shape[1]
+    assert all(d.offset + pending == len(cached) for d in s.draft_cache)
+
+
+def _tokens(events):
+    return [t for e in events for t in e.tokens]
+
+
+def test_sequences_leave_their_caches_in_their_sessions(pair):
+    config = SpeculationConfig(block_size=5, lookup=False, adaptive=False)
+    prompts = [[5, 9, 11, 30, 2], [7] * 12 + [40, 41], list(range(60, 90))]
+    sessions = [Session.new(pair, config) for _ in prompts]
+    batch = Batch(pair, config)
+    outs = {}
+    for p, s in zip(prompts, sessions):
+        outs[batch.add(p, max_tokens=12, session=s)] = []
+    steps = 0
+    while batch.running:
+        for ev in batch.step():
+            outs[ev.index] += ev.tokens
+        steps += 1
+        if steps == 2:
+            assert batch.cancel(1)  # a client that leaves: its session still gets its row
+    for i, (p, s) in enumerate(zip(prompts, sessions)):
+        assert s.tokens == p + outs[i], f"sequence {i}"
+        _check_session(pair, s)
+    # the next turn in a session the batch left equals it in a fresh session
+    follow = [3, 4, 5]
+    for p, s, i in zip(prompts, sessions, range(3)):
+        turn = p + outs[i] + follow
+        cached = len(s.tokens) - 1
+        events = list(stream_generate(pair, turn, config, session=s, max_tokens=10))
+        fresh = _tokens(stream_generate(pair, turn, config, max_tokens=10))
+        assert _tokens(events) == fresh
+        # the whole conversation so far was reused, only the follow-up prefilled
+        assert events[0].reused_tokens == cached
+        assert events[0].prompt_tokens == len(follow)
