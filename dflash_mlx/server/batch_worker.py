@@ -11,6 +11,9 @@ Prompt cache: a job holds its slot while it runs; the batch decodes in copies of
 caches and writes the job's row back into the slot when it leaves, so the next turn of that
 conversation reuses the reply too, as with one request at a time.
 
+A long prompt joining a running batch is prefilled one chunk (`prefill_step()` tokens) per
+round, so the running streams are not starved while it prefills; alone, it prefills at once.
+
 Memory (`memory.py`): a job whose cache could not fit even alone is refused with a 400; one
 that does not fit beside the running jobs and the prompt cache waits (first in line, so no
 later job overtakes it) until one of them ends.
@@ -30,7 +33,7 @@ from mlx_lm.generate import wired_limit
 
 from ..batch import Batch, serial_reason
 from ..errors import InvalidArgumentError
-from ..generate import Session
+from ..generate import Session, _common_prefix as common_prefix, prefill, prefill_step
 from .worker import Failed, Job, Output, Worker
 
 log = logging.getLogger("dflash_mlx.server")
@@ -54,6 +57,13 @@ class _Running:
     bytes: int  # the cache it may grow to (prompt and max_tokens)
 
 
+@dataclass
+class _Joining:
+    job: Job
+    session: Session  # its slot, holding the prompt's first `upto` tokens
+    upto: int
+
+
 class BatchWorker(Worker):
     """Decodes up to `max_batch` jobs together, one speculative round for all at a time."""
 
@@ -63,6 +73,8 @@ class BatchWorker(Worker):
         self.batch = Batch(pair, config)
         self.active: dict[int, _Running] = {}  # by batch index (changed under `lock`)
         self.waiting: Job | None = None  # taken from the queue, joins when memory frees
+        self.joining: _Joining | None = None  # a long prompt, prefilled a chunk per round
+        self.chunk = prefill_step()
         self.rounds = self.rows = 0  # batched rounds, and sequences summed over them
 
     @property
@@ -73,13 +85,18 @@ class BatchWorker(Worker):
         super().cancel_all()
         with self.lock:
             running = list(self.active.values())
-        for job in [r.job for r in running] + [self.waiting]:
+        joining = self.joining
+        for job in [r.job for r in running] + [self.waiting, joining and joining.job]:
             if job is not None:
                 job.cancel()
 
     @property
     def queued(self) -> int:
         return self.jobs.qsize() + (self.waiting is not None)
+
+    @property
+    def running(self) -> bool:
+        return super().running or self.joining is not None
 
     def _loop(self) -> None:
         while True:
@@ -88,15 +105,16 @@ class BatchWorker(Worker):
             with wired_limit(self.pair.target.model):
                 try:
                     self._take(job)
-                    while self.active or self.waiting:
+                    while self.active or self.waiting or self.joining:
                         self._round()
+                        self._prefill_chunk()
                         self._admit()
                 except Exception as e:  # never let the worker end
                     self._restart(e)
 
     def _admit(self) -> None:
-        """Queued jobs join while there is room (between two rounds)."""
-        while len(self.active) < self.max_batch:
+        """Queued jobs join while there is room (between two rounds), one prefill at a time."""
+        while self.joining is None and len(self.active) < self.max_batch:
             job, self.waiting = self.waiting, None
             if job is None:
                 try:
@@ -131,20 +149,57 @@ class BatchWorker(Worker):
             self._join(job)
 
     def _join(self, job: Job) -> None:
-        """Prefill the job from its slot; it joins the next round."""
+        """Prefill the job from its slot; it joins the next round (a long prompt beside
+        running jobs: after its chunks, `_prefill_chunk`)."""
         session = None
         try:
             session = self.cache.acquire(job.ids)
+            upto = common_prefix(session.tokens, job.ids)
+            if self.active and len(job.ids) - upto > self.chunk:
+                self.joining = _Joining(job, session, upto)
+                return
+        except Exception as e:
+            return self._join_failed(job, session, e)
+        self._add(job, session)
+
+    def _prefill_chunk(self) -> None:
+        """The joining prompt's next chunk; its rest and its join once little is left or
+        nobody runs to wait for it."""
+        j = self.joining
+        if j is None:
+            return
+        refused = self._refused(j.job)  # its client left, or the server is closing
+        if refused is not None:
+            self.joining = None
+            self.cache.release(j.session)  # exact: prefill keeps whole chunks only
+            j.job.emit(refused)
+            return
+        if self.active and len(j.job.ids) - j.upto > self.chunk:
+            try:
+                j.upto += self.chunk
+                prefill(self.pair, j.session, j.job.ids[: j.upto])
+            except Exception as e:
+                self.joining = None
+                self._join_failed(j.job, j.session, e)
+            return
+        self.joining = None
+        self._add(j.job, j.session)
+
+    def _add(self, job: Job, session: Session) -> None:
+        try:
             index = self.batch.add(job.ids, sampling=job.sampling, max_tokens=job.max_tokens,
                                    logprobs=job.logprobs, session=session)
-        except Exception as e:  # it alone ends; the running ones never saw it
-            if session is not None:  # an invalid request was refused before the caches
-                self.cache.release(session, ok=isinstance(e, InvalidArgumentError))
-            job.emit(self._failed(e))
-            return
+        except Exception as e:
+            return self._join_failed(job, session, e)
         with self.lock:
             self.active[index] = _Running(job, Output(self, job), session,
                                           self.memory.need(len(job.ids) + job.max_tokens))
+
+    def _join_failed(self, job: Job, session: Session | None, e: Exception) -> None:
+        """It alone ends; the running ones never saw it."""
+        if session is not None:  # an invalid request was refused before the caches
+            self.cache.release(session, ok=isinstance(e, InvalidArgumentError))
+        job.emit(self._failed(e))
 
     def _round(self) -> None:
         for index, r in list(self.active.items()):  # clients that left: out before the round
