@@ -26,6 +26,7 @@ import mlx.core as mx
 from mlx_lm.generate import wired_limit
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
+from .batch_prefill import prefill_together
 from .errors import InvalidArgumentError
 from .generate import (
     BlockEvent,
@@ -107,6 +108,7 @@ class Batch:
         self.pair, self.config = pair, config
         self.serial = serial_reason(pair)  # None: one target pass for all sequences
         self._seqs: list[_Seq] = []
+        self._fresh: list[tuple[_Seq, Session, list[int]]] = []  # prefilled at the next step
         self._count = 0
         self.target_cache = self.draft_cache = None
         # speculation or plain decoding, per round, from the costs measured at each batch size
@@ -118,16 +120,23 @@ class Batch:
                 self.draft_cache = make_draft_caches(pair.draft, config.draft_window)
 
     @property
-    def running(self) -> list[int]:
-        """Indices of the sequences still generating, in row order."""
+    def rows(self) -> list[int]:
+        """Indices of the sequences in the batch's cache rows, in row order."""
         return [s.index for s in self._seqs]
+
+    @property
+    def running(self) -> list[int]:
+        """Indices of the sequences still generating, in row order (then those joining)."""
+        return [s.index for s in self._seqs] + [f[0].index for f in self._fresh]
 
     def add(self, prompt: str | list[int], *, sampling: SamplingParams | None = None,
             max_tokens: int = 256, logprobs: int | None = None,
             session: Session | None = None) -> int:
-        """Prefill `prompt` now; it joins the next `step()`. Returns its index.
+        """Prefill `prompt`; it joins the next `step()`. Returns its index.
 
-        `session`: caches to start from (only what the prompt adds to them is prefilled). The
+        Fresh prompts (no session, or an empty one) of a batched target are prefilled at the
+        next `step()`, together with the others added since (`batch_prefill.py`); the rest
+        now. `session`: caches to start from (only what the prompt adds to them is prefilled). The
         sequence ends in it, as with `stream_generate`: a batched target decodes in copies in
         the batch's caches and writes its row back into the session when it leaves; a serial
         one decodes in the session itself.
@@ -150,12 +159,17 @@ class Batch:
         block = config.block_size
         watch = (guards.AcceptanceWatch(config.fallback_after)
                  if block > 1 and config.fallback_after else None)
-        tic = time.perf_counter()
-        n_prompt, n_reused = prefill(pair, session, ids)
         seq = _Seq(self._count, Request(params, budget.cut, lookup_only, logprobs), budget,
                    mx.random.key(seed), pair.tokenizer.detokenizer, block, watch,
-                   (n_prompt, n_reused, 0.0), fixed=not params.greedy and params.seed is not None,
+                   (0, 0, 0.0), fixed=not params.greedy and params.seed is not None,
                    limit_note=limit_note)
+        self._count += 1
+        if self.serial is None and not session.tokens and session.pending is None:
+            self._fresh.append((seq, session, ids))
+            seq.home = home
+            return seq.index
+        tic = time.perf_counter()
+        n_prompt, n_reused = prefill(pair, session, ids)
         if self.serial is None:
             self._join(seq, session)
             seq.home = home
@@ -163,8 +177,26 @@ class Batch:
             seq.session = session
         seq.prompt = (n_prompt, n_reused, time.perf_counter() - tic)
         self._seqs.append(seq)
-        self._count += 1
         return seq.index
+
+    def _join_fresh(self) -> list[BatchEvent]:
+        """Prefill the fresh prompts together and join them; if that fails they alone end
+        (error events), the running sequences never saw them."""
+        fresh, self._fresh = self._fresh, []
+        if not fresh:
+            return []
+        tic = time.perf_counter()
+        try:
+            prefill_together(self.pair, [f[1] for f in fresh], [f[2] for f in fresh])
+        except Exception as e:
+            return [self._event(seq, Round([], "error", [], 0, None, 0.0, 0.0, error=e))
+                    for seq, _, _ in fresh]
+        seconds = time.perf_counter() - tic
+        for seq, session, ids in fresh:
+            self._join(seq, session)
+            seq.prompt = (len(ids) - 1, 0, seconds)
+            self._seqs.append(seq)
+        return []
 
     def _join(self, seq: _Seq, session: Session):
         """Copy a prefilled single-sequence session into the batch's caches as a new row."""
@@ -189,6 +221,10 @@ class Batch:
 
     def cancel(self, index: int) -> bool:
         """Drop a sequence between steps (False: it is not running); the others go on exactly."""
+        joining = [f for f in self._fresh if f[0].index == index]
+        if joining:  # nothing prefilled yet
+            self._fresh.remove(joining[0])
+            return True
         rows = [i for i, s in enumerate(self._seqs) if s.index == index]
         if not rows:
             return False
@@ -219,8 +255,9 @@ class Batch:
 
     def step(self) -> list[BatchEvent]:
         """One round for every running sequence: one event each; finished ones leave."""
+        failed = self._join_fresh()
         if not self._seqs:
-            return []
+            return failed
         keys = [s.index for s in self._seqs]
         fixed = any(s.fixed for s in self._seqs)
         wide = self.control is None or self.control.speculate(keys, fixed)
@@ -249,7 +286,7 @@ class Batch:
                 done.add(i)
         if done:
             self._leave(done)
-        return events
+        return failed + events
 
     def _serial_round(self, s: _Seq) -> Round:
         try:
@@ -270,11 +307,15 @@ class Batch:
 
     def tokens(self, index: int) -> list[int]:
         """A running sequence's tokens so far (prompt included)."""
+        for seq, _, ids in self._fresh:
+            if seq.index == index:
+                return list(ids)
         s = next(s for s in self._seqs if s.index == index)
         return list(s.row.tokens if s.row is not None else s.session.tokens)
 
     def close(self):
         """Drop every sequence and free the caches."""
+        self._fresh = []
         self._leave(set(range(len(self._seqs))))
 
 

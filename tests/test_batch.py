@@ -191,7 +191,7 @@ def check_caches(pair):
     and its draft cache plus its pending taps cover the same positions."""
 
     def check(batch):
-        for b, index in enumerate(batch.running):
+        for b, index in enumerate(batch.rows):
             tokens = batch.tokens(index)[:-1]
             assert all(c.lengths()[b] == len(tokens) for c in batch.target_cache)
             pending = batch._seqs[b].row.pending

@@ -69,7 +69,7 @@ def test_a_faulty_sequence_ends_alone_and_the_others_stay_exact(pairs, family):
             if ev.finish_reason is not None:
                 ends[ev.index] = ev
         if batch.serial is None:  # batched rows: still a fresh prefill of their tokens
-            for b, index in enumerate(batch.running):
+            for b, index in enumerate(batch.rows):
                 tokens = batch.tokens(index)[:-1]
                 assert all(c.lengths()[b] == len(tokens) for c in batch.target_cache)
     for i in (0, 2):

@@ -32,7 +32,7 @@ LAYERS = [
      "dflash_mlx.speculate.width"),
     ("dflash_mlx.speculate", "dflash_mlx.loader", "dflash_mlx.tiny", "dflash_mlx.demo",
      "dflash_mlx.machine", "dflash_mlx.distributed"),
-    ("dflash_mlx.generate", "dflash_mlx.batch"),
+    ("dflash_mlx.generate", "dflash_mlx.batch", "dflash_mlx.batch_prefill"),
     ("dflash_mlx.stats", "dflash_mlx.chat", "dflash_mlx.registry", "dflash_mlx.cpu.cost",
      "dflash_mlx.cpu.tree_budget"),
     ("dflash_mlx.engine",),  # the one assembly every front-end opens a pair through

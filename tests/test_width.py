@@ -221,7 +221,7 @@ def test_any_choice_in_a_batch_with_joins_and_cancels(pairs, family, monkeypatch
                 batch.cancel(1)
                 outs.pop(1)
             if batch.serial is None:  # each batched row's cache is a fresh prefill
-                for b, index in enumerate(batch.running):
+                for b, index in enumerate(batch.rows):
                     tokens = batch.tokens(index)[:-1]
                     for c, (k, _) in zip(batch.target_cache, _fresh_rows(pair.target, tokens)):
                         got_k, _ = c.rows(b)

@@ -17,7 +17,7 @@ V = tiny.VOCAB_SIZE
 
 
 class Plan:
-    """Which oracle proposes for each row of a batch (rows follow `batch.running`)."""
+    """Which oracle proposes for each row of a batch (rows follow `batch.rows`)."""
 
     def __init__(self, batch: Batch, oracles: dict[int, Oracle]):
         self.batch, self.oracles = batch, oracles
@@ -49,7 +49,7 @@ class RowsOracleDraft(DFlashDraftModel):
         if batch is not None and batch.serial:  # one sequence's own cache: which one
             rows = [s.index for s in batch._seqs if s.session.draft_cache is cache]
         elif batch is not None:
-            rows = batch.running
+            rows = batch.rows
         self.where = Where(off.tolist() if isinstance(off, mx.array) else [off], rows)
         return hidden
 

@@ -1,0 +1,72 @@
+"""Prompts prefilled together (`batch_prefill.prefill_together`) leave each session exactly as
+its own `generate.prefill` does: the target's cache rows, the draft's context (with and
+without a draft window, whose rows before the window are skipped) and the pending taps, over
+several chunks and ragged lengths (a one-token prompt too); and a batch of fresh prompts,
+prefilled together, decodes what each decodes alone."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from dflash_mlx import Session, batch_prefill, generate, stream_generate, tiny
+from dflash_mlx.batch import batch_generate
+from dflash_mlx.models.dflash import DFlashDraftModel
+from dflash_mlx.speculate import SpeculationConfig
+from support.engine import float32_pair
+
+PROMPTS = [list(range(3, 40)), [7], [11, 12, 13, 14, 15, 16, 17, 18, 19], list(range(50, 71))]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch-prefill")
+    return float32_pair(tiny.make_target(root / "t"),
+                        tiny.make_draft(root / "d", tiny.draft_config(block_size=8)),
+                        DFlashDraftModel)
+
+
+def _close(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and \
+        float(mx.abs(a - b).max()) <= 1e-4 * (float(mx.abs(b).max()) + 1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_together_equals_one_at_a_time(pair, monkeypatch, window):
+    monkeypatch.setattr(batch_prefill, "prefill_step", lambda: 8)  # several chunks
+    monkeypatch.setattr(generate, "prefill_step", lambda: 8)
+    config = SpeculationConfig(block_size=5, draft_window=window)
+    together = [Session.new(pair, config) for _ in PROMPTS]
+    batch_prefill.prefill_together(pair, together, PROMPTS)
+    for p, s in zip(PROMPTS, together):
+        alone = Session.new(pair, config)
+        generate.prefill(pair, alone, p)
+        assert s.tokens == alone.tokens == p
+        for a, b in zip(s.target_cache, alone.target_cache):
+            assert a.offset == b.offset == len(p) - 1
+            assert _close(a.keys[..., : a.offset, :] if a.offset else None,
+                          b.keys[..., : b.offset, :] if b.offset else None)
+            assert _close(a.values[..., : a.offset, :] if a.offset else None,
+                          b.values[..., : b.offset, :] if b.offset else None)
+        for a, b in zip(s.draft_cache, alone.draft_cache):
+            assert (a.offset, a.start) == (b.offset, b.start)
+            assert _close(a.keys, b.keys) and _close(a.values, b.values)
+        assert _close(s.pending, alone.pending)
+
+
+def test_fresh_prompts_decode_what_each_decodes_alone(pair, monkeypatch):
+    monkeypatch.setattr(batch_prefill, "prefill_step", lambda: 8)
+    config = SpeculationConfig(block_size=5, lookup=False)
+    calls = []
+    real = batch_prefill.prefill_together
+    monkeypatch.setattr("dflash_mlx.batch.prefill_together",
+                        lambda *a: calls.append(len(a[2])) or real(*a))
+    outs = {i: [] for i in range(len(PROMPTS))}
+    for ev in batch_generate(pair, PROMPTS, config, max_tokens=16):
+        outs[ev.index] += ev.tokens
+    assert calls == [len(PROMPTS)]  # one shared prefill for all of them
+    for i, p in enumerate(PROMPTS):
+        alone = [t for e in stream_generate(pair, p, config, max_tokens=16) for t in e.tokens]
+        assert outs[i] == alone, f"sequence {i}"
