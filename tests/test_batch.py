@@ -30,17 +30,13 @@ from dflash_mlx.speculate import batch_round as batch_round_module
 from dflash_mlx.speculate.grammar import Constraint
 from dflash_mlx.speculate.processors import Processing
 from dflash_mlx.speculate.sampling import rejection_sample_device
-from support.engine import Oracle, float32_pair, mlx_lm_greedy
+from support.engine import GATED, Oracle, float32_pair, make_draft4, mlx_lm_greedy
 from support.rows_oracle import Plan, RowsOracleDraft, one_hot_logits
 from support.sampling import pick, target_rows
 from support.stats import chi_square
 from support.tiers import slow_after
 
 V = tiny.VOCAB_SIZE
-GATED = {"model_type": "gemma3_text", "num_hidden_layers": 4, "sliding_window": 8,
-         "sliding_window_pattern": 2, "query_pre_attn_scalar": 16,
-         "rope_local_base_freq": 10000.0}
-
 
 class Fixed:
     def __init__(self, rows: list[list[int]]):
@@ -68,9 +64,7 @@ def dirs(tmp_path_factory):
         "gemma3": tiny.make_target(root / "gemma3", **GATED),
         "hybrid": tiny.make_hybrid_target(root / "hybrid"),
         "draft": tiny.make_draft(root / "draft", tiny.draft_config(block_size=8)),
-        "draft4": tiny.make_draft(root / "draft4", tiny.draft_config(
-            target_layers=4, dflash_config={"mask_token_id": tiny.MASK_ID,
-                                            "target_layer_ids": [1, 2]})),
+        "draft4": make_draft4(root / "draft4"),
     }
 
 

@@ -12,12 +12,9 @@ from dflash_mlx import tiny
 from dflash_mlx.batch import Batch
 from dflash_mlx.speculate.guards import NonFiniteLogitsError
 from dflash_mlx.speculate import SamplingParams, SpeculationConfig
-from support.engine import float32_pair, mlx_lm_greedy
+from support.engine import GATED, float32_pair, make_draft4, mlx_lm_greedy
 from support.rows_oracle import RowsOracleDraft
 
-GATED = {"model_type": "gemma3_text", "num_hidden_layers": 4, "sliding_window": 8,
-         "sliding_window_pattern": 2, "query_pre_attn_scalar": 16,
-         "rope_local_base_freq": 10000.0}
 PROMPTS = [[3, 14, 15, 92, 6], [5, 35, 89, 79], [32, 38, 46, 26, 43, 38], [27, 18, 28]]
 
 
@@ -25,9 +22,7 @@ PROMPTS = [[3, 14, 15, 92, 6], [5, 35, 89, 79], [32, 38, 46, 26, 43, 38], [27, 1
 def pairs(tmp_path_factory):
     root = tmp_path_factory.mktemp("batch-faults")
     draft = tiny.make_draft(root / "d", tiny.draft_config(block_size=8))
-    draft4 = tiny.make_draft(root / "d4", tiny.draft_config(
-        target_layers=4, dflash_config={"mask_token_id": tiny.MASK_ID,
-                                        "target_layer_ids": [1, 2]}))
+    draft4 = make_draft4(root / "d4")
     return {"qwen3": float32_pair(tiny.make_target(root / "q"), draft, RowsOracleDraft),
             "gemma3": float32_pair(tiny.make_target(root / "g", **GATED), draft4,
                                    RowsOracleDraft)}

@@ -18,6 +18,7 @@ from dflash_mlx.errors import InvalidArgumentError
 from dflash_mlx.generate import Session
 from dflash_mlx.server.prompt_cache import PromptCache, parse_bytes
 from support import server as ss
+from support.engine import GATED, make_draft4
 
 BIG = 1 << 40  # a byte bound that never binds
 
@@ -39,11 +40,8 @@ def special_pairs(tmp_path_factory):
     """A sliding-window target (gemma3: layers 0 and 2 keep an 8-row rotating window) and a
     hybrid GatedDeltaNet target (qwen3_5), each with a draft."""
     root = tmp_path_factory.mktemp("prompt-cache")
-    draft4 = tiny.make_draft(root / "draft4", tiny.draft_config(
-        target_layers=4, dflash_config={"mask_token_id": tiny.MASK_ID, "target_layer_ids": [1, 2]}))
-    sliding = tiny.make_target(root / "sliding", model_type="gemma3_text", num_hidden_layers=4,
-                               sliding_window=8, sliding_window_pattern=2,
-                               query_pre_attn_scalar=16, rope_local_base_freq=10000.0)
+    draft4 = make_draft4(root / "draft4")
+    sliding = tiny.make_target(root / "sliding", **GATED)
     hybrid = tiny.make_hybrid_target(root / "hybrid")
     return {"sliding": load(sliding, draft4, draft_bits=16, weights="float32"),
             "hybrid": load(hybrid, tiny.make_draft(root / "draft6"), draft_bits=16,

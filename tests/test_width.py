@@ -23,12 +23,9 @@ from dflash_mlx.batch import Batch
 from dflash_mlx.speculate import SamplingParams, SpeculationConfig
 from dflash_mlx.speculate.width import (PROBE_FIRST, PROBE_MAX, PROBE_SHARE, PassCosts,
                                         WidthControl)
-from support.engine import Oracle, OracleDraft, float32_pair, mlx_lm_greedy
+from support.engine import (GATED, Oracle, OracleDraft, float32_pair, make_draft4,
+                            mlx_lm_greedy)
 from support.rows_oracle import Plan, RowsOracleDraft
-
-GATED = {"model_type": "gemma3_text", "num_hidden_layers": 4, "sliding_window": 8,
-         "sliding_window_pattern": 2, "query_pre_attn_scalar": 16,
-         "rope_local_base_freq": 10000.0}
 
 
 def run_rounds(control, keys, rounds, spec_s, plain_s, tau):
@@ -149,9 +146,7 @@ class Coin(WidthControl):
 def pairs(tmp_path_factory):
     root = tmp_path_factory.mktemp("width")
     draft = tiny.make_draft(root / "draft", tiny.draft_config(block_size=8))
-    draft4 = tiny.make_draft(root / "draft4", tiny.draft_config(
-        target_layers=4, dflash_config={"mask_token_id": tiny.MASK_ID,
-                                        "target_layer_ids": [1, 2]}))
+    draft4 = make_draft4(root / "draft4")
     targets = {
         "qwen3": tiny.make_target(root / "qwen3"),
         "llama": tiny.make_target(root / "llama", model_type="llama", seed=5),

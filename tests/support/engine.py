@@ -7,10 +7,22 @@ import random
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from dflash_mlx import load
+from dflash_mlx import load, tiny
 from dflash_mlx.models.dflash import DFlashDraftModel
 from dflash_mlx.models.target import Target
 
+
+# a 4-layer gemma3 target whose layers 0 and 2 keep an 8-row sliding window
+GATED = {"model_type": "gemma3_text", "num_hidden_layers": 4, "sliding_window": 8,
+         "sliding_window_pattern": 2, "query_pre_attn_scalar": 16,
+         "rope_local_base_freq": 10000.0}
+
+
+def make_draft4(path):
+    """A draft for a 4-layer target (`GATED`): it taps layers 1 and 2."""
+    return tiny.make_draft(path, tiny.draft_config(
+        target_layers=4, dflash_config={"mask_token_id": tiny.MASK_ID,
+                                        "target_layer_ids": [1, 2]}))
 
 def float32_pair(target_dir, draft_dir, draft_cls, target_cls=None):
     """A float32 pair whose draft (and target) are test subclasses with the loaded weights."""
