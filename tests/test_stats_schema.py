@@ -65,9 +65,12 @@ def test_docs_table_lists_every_key():
 
 def _scripted_worker():
     """A worker whose engine replays EVENTS (no model): the server's own code around it."""
+    from dflash_mlx.server.memory import RequestMemory
     from dflash_mlx.server.worker import Worker
 
     class Scripted(Worker):
+        memory = RequestMemory(room=10**12, per_token=1)  # no model to measure
+
         def _new_session(self):
             return None
 

@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from ..generate import Session, stream_generate
 from ..speculate import SamplingParams, SpeculationConfig
@@ -218,7 +219,6 @@ class Worker:
         self.pair, self.config = pair, config
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self.cache = PromptCache(pair, self._new_session, cache_slots, cache_bytes)
-        self.memory = RequestMemory.of(pair)  # what a request's cache may take
         self.session: Session | None = None  # the running job's (`_generate` runs in it)
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
         self.total = Stats()  # every request since start, for /health (guarded by `lock`)
@@ -228,6 +228,11 @@ class Worker:
         self.current: Job | None = None
         self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._loop, name="dflash-engine", daemon=True)
+
+    @cached_property
+    def memory(self) -> RequestMemory:
+        """What a request's cache may take here."""
+        return RequestMemory.of(self.pair)
 
     def _new_session(self) -> Session:
         return Session.new(self.pair, self.config)
