@@ -12,7 +12,8 @@ target's distribution.
 Targets whose caches are all plain KV caches run batched. Sliding-window (rotating) and
 GatedDeltaNet targets keep one cache per sequence (their exact rollbacks are per sequence) and
 run their sequences one after another inside each step: same API, same events, no batching;
-`Batch.serial` says why. Draft trees and grammars are refused here for now.
+`Batch.serial` says why. Structured output (a grammar per sequence) masks each row's verify
+rows as a single sequence's round does. Draft trees are refused here for now.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from .speculate import SamplingParams, SpeculationConfig, guards
 from .speculate.batch_cache import RaggedKVCache, filter_rows
 from .speculate.batch_draft import make_draft_caches
 from .speculate.batch_round import Row, batch_round
+from .speculate.grammar import Grammar
 from .speculate.rounds import Request, Round, path_round
 from .speculate.sampling import check_max_tokens
 from .speculate.width import WidthControl
@@ -143,8 +145,6 @@ class Batch:
         """
         pair, config = self.pair, self.config
         params = sampling or SamplingParams()
-        if params.constraint is not None:
-            raise InvalidArgumentError("structured output (grammars) is not available in a batch yet")
         home = session  # where the sequence's caches go when it leaves (a batched target)
         session, lookup_only = _settle(pair, config, session, params)
         ids = encode_prompt(pair, prompt)
@@ -159,7 +159,10 @@ class Batch:
         block = config.block_size
         watch = (guards.AcceptanceWatch(config.fallback_after)
                  if block > 1 and config.fallback_after else None)
-        seq = _Seq(self._count, Request(params, budget.cut, lookup_only, logprobs), budget,
+        grammar = params.constraint and Grammar(params.constraint, pair.tokenizer,
+                                                sorted(budget.eos), pair.target.vocab_size)
+        seq = _Seq(self._count, Request(params, budget.cut, lookup_only, logprobs, grammar),
+                   budget,
                    mx.random.key(seed), pair.tokenizer.detokenizer, block, watch,
                    (0, 0, 0.0), fixed=not params.greedy and params.seed is not None,
                    limit_note=limit_note)

@@ -21,17 +21,18 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx import Session, stream_generate, tiny
+from dflash_mlx import Session, tiny
 from dflash_mlx.batch import Batch, batch_generate, serial_reason
 from dflash_mlx.errors import InvalidArgumentError
 from dflash_mlx.models.dflash import DFlashDraftModel
 from dflash_mlx.speculate import SamplingParams, SpeculationConfig
 from dflash_mlx.speculate import batch_round as batch_round_module
-from dflash_mlx.speculate.grammar import Constraint
 from dflash_mlx.speculate.processors import Processing
 from dflash_mlx.speculate.sampling import rejection_sample_device
-from support.engine import GATED, Oracle, float32_pair, make_draft4, mlx_lm_greedy
-from support.rows_oracle import Plan, RowsOracleDraft, one_hot_logits
+from support.batch_run import (check_caches, dirs, drive, pairs, prompts_for,  # noqa: F401
+                               reference, single)
+from support.engine import Oracle, float32_pair
+from support.rows_oracle import Plan, one_hot_logits
 from support.sampling import pick, target_rows
 from support.stats import chi_square
 from support.tiers import slow_after
@@ -53,80 +54,6 @@ class FixedRowsDraft(DFlashDraftModel):
             return super().proposal_logits(hidden)
         ids = [r[: hidden.shape[-2]] for r in self.fixed.rows]
         return one_hot_logits(ids, hidden)
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("batch")
-    return {
-        "qwen3": tiny.make_target(root / "qwen3"),
-        "llama": tiny.make_target(root / "llama", model_type="llama", seed=5),
-        "gemma3": tiny.make_target(root / "gemma3", **GATED),
-        "hybrid": tiny.make_hybrid_target(root / "hybrid"),
-        "draft": tiny.make_draft(root / "draft", tiny.draft_config(block_size=8)),
-        "draft4": make_draft4(root / "draft4"),
-    }
-
-
-@pytest.fixture(scope="module")
-def pairs(dirs):
-    return {name: float32_pair(dirs[name], dirs["draft4" if name == "gemma3" else "draft"],
-                               RowsOracleDraft)
-            for name in ("qwen3", "llama", "gemma3", "hybrid")}
-
-
-def reference(model, prompt: list[int], n: int) -> list[int]:
-    ref = mlx_lm_greedy(model, prompt, n)
-    return ref[: ref.index(tiny.EOS_ID) + 1] if tiny.EOS_ID in ref else ref
-
-
-def prompts_for(seed: int, n: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(256) for _ in range(rng.randint(2, 40))] for _ in range(n)]
-
-
-def drive(pair, prompts, config, n, p_wrong=None, seed=0, join=None, cancel=None, check=None,
-          sampling=None, ragged=None):
-    """Run a `Batch` to the end: {index: tokens}. `join`: (after step k, prompt) adds one;
-    `cancel`: (after step k, index) drops one; `check(batch)` runs after every step.
-    `p_wrong`: per-sequence oracle error rates (None: the draft's own proposals). `ragged`: a
-    list that gets, per round, whether its rows accepted different numbers of tokens."""
-    batch = Batch(pair, config)
-    oracles = {}
-    pair.draft.plan = Plan(batch, oracles) if p_wrong is not None else None
-    everything = list(prompts) + ([join[1]] if join else [])
-
-    def add(i, prompt):
-        if p_wrong is not None:
-            oracles[i] = Oracle(reference(pair.target.model, prompt, n), len(prompt),
-                                p_wrong[i % len(p_wrong)], seed * 100 + i)
-        assert batch.add(prompt, max_tokens=n, sampling=sampling and sampling[i]) == i
-
-    for i, p in enumerate(prompts):
-        add(i, p)
-    outs, steps = {i: [] for i in range(len(everything))}, 0
-    while batch.running:
-        events = batch.step()
-        for ev in events:
-            outs[ev.index] += ev.tokens
-        if ragged is not None:
-            ragged.append(len({ev.accepted for ev in events}) > 1)
-        steps += 1
-        if join and steps == join[0]:
-            add(len(prompts), join[1])
-        if cancel and steps == cancel[0]:
-            assert batch.cancel(cancel[1])
-        if check:
-            check(batch)
-    pair.draft.plan = None
-    return outs
-
-
-def single(pair, prompt, config, n, sampling=None):
-    if isinstance(pair.draft, RowsOracleDraft):
-        pair.draft.plan = None
-    return [t for e in stream_generate(pair, prompt, config, max_tokens=n, sampling=sampling)
-            for t in e.tokens]
 
 
 CASES = [(s, b) for s in range(4) for b in (3, 5, 8)]
@@ -172,31 +99,6 @@ def test_block_size_1_is_batched_plain_decoding(pairs):
         outs[ev.index] += ev.tokens
     for i, p in enumerate(prompts):
         assert outs[i] == reference(pair.target.model, p, 24)
-
-
-def _fresh_rows(target, tokens):
-    cache = target.make_cache()
-    target(mx.array([tokens]), cache, taps=False)
-    return [(c.keys[..., : len(tokens), :], c.values[..., : len(tokens), :]) for c in cache]
-
-
-def check_caches(pair):
-    """After a round: each row's target cache is a fresh prefill of its tokens but the last,
-    and its draft cache plus its pending taps cover the same positions."""
-
-    def check(batch):
-        for b, index in enumerate(batch.rows):
-            tokens = batch.tokens(index)[:-1]
-            assert all(c.lengths()[b] == len(tokens) for c in batch.target_cache)
-            pending = batch._seqs[b].row.pending
-            assert batch.draft_cache[0].pos[b] + (0 if pending is None else pending.shape[1]) \
-                == len(tokens)
-            for c, (k, v) in zip(batch.target_cache, _fresh_rows(pair.target, tokens)):
-                got_k, got_v = c.rows(b)
-                scale = float(mx.abs(k).max()) + 1e-6
-                assert float(mx.abs(got_k - k).max()) / scale < 1e-4
-                assert float(mx.abs(got_v - v).max()) / (float(mx.abs(v).max()) + 1e-6) < 1e-4
-    return check
 
 
 def test_join_midway_and_cancel_keep_the_others_exact(pairs):
@@ -316,13 +218,10 @@ def test_sliding_and_hybrid_targets_run_one_after_another(pairs, family):
         assert outs[i] == reference(pair.target.model, p, 32) == single(pair, p, config, 32)
 
 
-def test_trees_and_grammars_are_refused(pairs):
+def test_trees_are_refused(pairs):
     pair = pairs["qwen3"]
     with pytest.raises(InvalidArgumentError, match="tree"):
         Batch(pair, SpeculationConfig(block_size=5, tree=8))
-    batch = Batch(pair, SpeculationConfig(block_size=5))
-    with pytest.raises(InvalidArgumentError, match="grammar"):
-        batch.add([1, 2, 3], sampling=SamplingParams(constraint=Constraint("regex", "[ab]+")))
     with pytest.raises(InvalidArgumentError):
         list(batch_generate(pair, [[1, 2]], max_tokens=[4, 5]))
 

@@ -1,7 +1,8 @@
 """Structured output under speculation: greedy output equals plain constrained AR decoding.
 
-The reference is mlx-lm's own `generate_step` with a logits processor that masks each step
-through a separate llguidance matcher, written here without the engine's grammar code.
+The reference (`support/grammar_ref.py`) is mlx-lm's own `generate_step` with a logits
+processor that masks each step through a separate llguidance matcher, written without the
+engine's grammar code.
 """
 
 from __future__ import annotations
@@ -9,64 +10,21 @@ from __future__ import annotations
 import json
 import random
 
-import llguidance
-import llguidance.hf
-import mlx.core as mx
-import numpy as np
 import pytest
-from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
-from mlx_lm.generate import generate_step
 
 from dflash_mlx import Session, stream_generate, tiny
 from dflash_mlx.errors import InvalidArgumentError
 from dflash_mlx.speculate.grammar import Constraint
 from dflash_mlx.speculate.processors import Processing
 from dflash_mlx.speculate.sampling import SamplingParams
-from support.engine import Oracle, OracleDraft, cache_arrays, float32_pair
-
-SCHEMAS = [
-    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
-                                      "b": {"enum": ["x", "y"]}},
-     "required": ["a", "b"], "additionalProperties": False},
-    {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3},
-    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-     "additionalProperties": False},
-    {"enum": [1, 22, 333]},
-]
-
+from support.engine import Oracle, OracleDraft, float32_pair
+from support.grammar_ref import SCHEMAS, reference
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def oracle_pair(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     t = tiny.make_target(root / "target", model_type=request.param)
     return float32_pair(t, tiny.make_draft(root / "draft"), OracleDraft)
-
-
-def reference(pair, prompt, n, grammar: str, processing: Processing | None = None):
-    """mlx-lm greedy decoding masked step by step by its own llguidance matcher."""
-    eos = sorted(pair.tokenizer.eos_token_ids)
-    ll = llguidance.hf.from_tokenizer(pair.tokenizer._tokenizer, eos_token=eos)
-    matcher = llguidance.LLMatcher(ll, grammar)
-    bits = allocate_token_bitmask(1, ll.vocab_size)
-    seen = {"first": True}
-
-    def mask(tokens, logits):
-        if not seen.pop("first", False):
-            assert matcher.consume_token(int(tokens[-1].item()))
-        fill_next_token_bitmask(matcher, bits, 0)
-        allow = np.unpackbits(bits.view(np.uint8), bitorder="little")[: logits.shape[-1]]
-        allow = np.pad(allow, (0, logits.shape[-1] - len(allow)))
-        return mx.where(mx.array(allow.astype(bool))[None], logits, -mx.inf)
-
-    procs = (processing.processors() if processing else []) + [mask]
-    out = []
-    for tok, _ in generate_step(mx.array(prompt), pair.target.model, max_tokens=n,
-                                sampler=lambda x: mx.argmax(x, axis=-1),
-                                logits_processors=procs):
-        out.append(int(tok))
-        if out[-1] in eos:
-            break
-    return out
 
 
 @pytest.mark.parametrize("schema", range(len(SCHEMAS)))

@@ -18,9 +18,10 @@ Memory (`memory.py`): a job whose cache could not fit even alone is refused with
 that does not fit beside the running jobs and the prompt cache waits (first in line, so no
 later job overtakes it) until one of them ends.
 
-Requests the batch cannot take (grammars: response_format, a forced tool choice) run one at
-a time between two rounds, as `Worker` runs every request. A round that raises fails every
-running request (500), drops their slots and starts a fresh batch; the server goes on.
+Requests with a grammar (response_format, a forced tool choice) join the batch like any other:
+their rows are masked by their own matcher. A request whose own grammar, processors or logits
+fail ends alone (500); a round that raises otherwise fails every running request (500), drops
+their slots and starts a fresh batch; the server goes on.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class BatchWorker(Worker):
                 self.waiting = job  # until a running job ends
                 return
             else:
-                self._start(job)
+                self._join(job)
 
     def _fits(self, job: Job) -> bool:
         held = sum(r.bytes for r in self.active.values())
@@ -140,13 +141,8 @@ class BatchWorker(Worker):
         if refused is not None:
             job.emit(refused)
         else:
-            self._start(job)
-
-    def _start(self, job: Job) -> None:
-        if job.sampling.constraint is not None:  # the batch has no grammars yet
-            self._serve(job)  # one at a time, between two rounds
-        else:
             self._join(job)
+
 
     def _join(self, job: Job) -> None:
         """Prefill the job from its slot; it joins the next round (a long prompt beside

@@ -8,9 +8,10 @@ its verify rows, greedy acceptance or exact rejection sampling, the stop rule. T
 verifies every row in one pass of the widest row's width (shorter rows are padded; their
 padding is never read). Then each row keeps exactly what it accepted: its target cache row
 ends at its own new length (`RaggedKVCache.set_lengths`, in `finally`, so an exception leaves
-every row as it was), its taps wait for the next draft pass. A row whose processors raise or
-whose logits are not finite keeps nothing and ends (finish "error", `Round.error`); the other
-rows go on exactly.
+every row as it was), its taps wait for the next draft pass. A row with a grammar has its
+forbidden drafted tokens cut and its verify rows masked, as in `path_round`. A row whose
+grammar or processors raise, or whose logits are not finite, keeps nothing and ends (finish
+"error", `Round.error`); the other rows go on exactly.
 
 As in `rounds.py`, the round syncs the host once (the drafted ids, the answers and the logits
 guard together) unless the lookup or the cut read the draft's tokens first.
@@ -28,7 +29,7 @@ from .batch_cache import set_lengths
 from .batch_draft import draft_rows
 from .lookup import Hint, lookup_block
 from .proposal import greedy_tokens, selector_path, settle_block, tokens_and_confidence
-from .rounds import Request, Round, _logprobs, _processed
+from .rounds import Request, Round, _constrain, _logprobs, _processed
 from .sampling import greedy_accept, rejection_sample_device, sampling_probs
 
 
@@ -50,6 +51,8 @@ class _Proposal:
     q: mx.array | None = None  # (n, V) dense proposal, or None for one-hot
     hint: Hint | None = None
     offered: int = 0  # slots drafted before the cut
+    allow: mx.array | None = None  # (rows, V) a grammar's allowed tokens per verify row
+    grammar_cut: int = 0  # drafted slots the grammar forbids, cut before the verify pass
 
 
 def _propose(pair, config, rows: list[Row], draft_cache) -> list[_Proposal]:
@@ -94,6 +97,13 @@ def _propose(pair, config, rows: list[Row], draft_cache) -> list[_Proposal]:
     return out
 
 
+def _constrain_row(r: Row, p: _Proposal):
+    """Cut what the row's grammar forbids from its proposal; its verify rows' masks."""
+    n = p.tokens.shape[0]
+    p.tokens, p.allow = _constrain(r.req.grammar, p.tokens, p.q)
+    p.grammar_cut = n - p.tokens.shape[0]
+
+
 def _answer(lg: mx.array, drafted: mx.array, q: mx.array | None, r: Row) -> mx.array:
     """The row's target answer: per-slot argmax, or [accepted, next] by rejection sampling."""
     params = r.req.params
@@ -111,7 +121,15 @@ def batch_round(pair, config, rows: list[Row], target_cache: list,
     tic = time.perf_counter()
     bases = [len(r.tokens) - 1 for r in rows]
     lengths = list(bases)  # what every row keeps if anything below fails
+    # a row whose grammar, processors or logits fail ends alone, the others go on
+    errors: list[Exception | None] = [None] * len(rows)
     try:
+        for b, (r, p) in enumerate(zip(rows, props)):
+            if r.req.grammar is not None:
+                try:
+                    _constrain_row(r, p)
+                except Exception as e:
+                    errors[b], p.tokens, p.allow = e, p.tokens[:0], None
         widths = [1 + p.tokens.shape[0] for p in props]
         W = max(widths)
         ids = []
@@ -119,18 +137,17 @@ def batch_round(pair, config, rows: list[Row], target_cache: list,
             last = mx.array([r.tokens[-1]], mx.int32)
             ids.append(mx.concatenate([last, p.tokens, mx.repeat(last, W - w)]))
         logits, taps = pair.target(mx.stack(ids), target_cache, taps=draft_cache is not None)
-        # each row's verify rows, through its own processors (row i after drafted slots 1..i);
-        # a row whose processors or logits fail ends alone, the others go on
-        errors: list[Exception | None] = [None] * len(rows)
+        # each row's verify rows, within its grammar and through its own processors (row i
+        # after drafted slots 1..i)
         rows_logits = []
         for b, (r, p, w) in enumerate(zip(rows, props, widths)):
+            lg = logits[b, :w] if p.allow is None else mx.where(p.allow, logits[b, :w], -mx.inf)
             try:
-                rows_logits.append(_processed(
-                    r.req.params, r.tokens, lambda p=p, w=w: [p.tokens[:i] for i in range(w)],
-                    logits[b, :w]))
+                lg = _processed(r.req.params, r.tokens,
+                                lambda p=p, w=w: [p.tokens[:i] for i in range(w)], lg)
             except Exception as e:
-                errors[b] = e
-                rows_logits.append(logits[b, :w])
+                errors[b] = errors[b] or e
+            rows_logits.append(lg)
         answers = [_answer(lg, p.tokens, p.q, r) for lg, p, r in zip(rows_logits, props, rows)]
         finite = mx.stack([guards.logits_ok(lg) for lg in rows_logits]).astype(mx.int32)
         host = mx.concatenate([*(p.tokens for p in props), *answers, finite]).tolist()
@@ -155,10 +172,13 @@ def batch_round(pair, config, rows: list[Row], target_cache: list,
             commits.append(new)
             trimmed = 0 if r.req.lookup_only else max(r.width - 1 - p.offered, 0)
             out.append(Round(new, finish, drafted, accepted, p.hint, draft_s, 0.0,
-                             trimmed=trimmed, logprobs=lps, top_logprobs=tops))
+                             trimmed=trimmed, grammar_cut=p.grammar_cut, logprobs=lps,
+                             top_logprobs=tops))
         for b, (r, new) in enumerate(zip(rows, commits)):
             if not new:
                 continue
+            if r.req.grammar is not None:
+                r.req.grammar.advance(new)
             r.tokens.extend(new)
             lengths[b] = bases[b] + len(new)
             if taps is not None:
