@@ -118,6 +118,25 @@ def test_join_midway_and_cancel_keep_the_others_exact(pairs):
             assert outs[i] == ref, f"sequence {i} differs"
 
 
+def test_rows_grow_after_the_longest_left(pairs):
+    """The longest row leaves, so every row left starts past column 0; the rows then grow past
+    their buffer (the model's mask is built before a layer writes: nothing may move mid-pass)."""
+    pair = pairs["qwen3"]
+    short, long = prompts_for(61, 1)[0][:4], prompts_for(62, 1)[0] + list(range(40, 120))
+    batch = Batch(pair, SpeculationConfig(block_size=1))
+    batch.add(short, max_tokens=90)
+    batch.add(long, max_tokens=90)
+    out, check = [], check_caches(pair)
+    for ev in batch.step():
+        out += ev.tokens if ev.index == 0 else []
+    assert batch.cancel(1)
+    while batch.running:
+        for ev in batch.step():
+            out += ev.tokens
+        check(batch)
+    assert out == reference(pair.target.model, short, 90)
+
+
 SCHEDULES = list(range(6))
 
 

@@ -36,7 +36,7 @@ def _ids(pair, text):
 
 def test_demo_pair_answers_and_speculates(pair):
     stats, tokens, text = Stats(), [], ""
-    for ev in stream_generate(pair, _ids(pair, PROMPTS[0]), max_tokens=32):
+    for ev in stream_generate(pair, _ids(pair, PROMPTS[0]), max_tokens=32, adaptive=False):
         stats.add(ev)
         tokens += ev.tokens
         text += ev.text
@@ -65,7 +65,8 @@ def test_demo_tau_on_fixed_prompt(pair):
     prompt = ("Tom has 12 apples. He gives 5 to Anna and buys 7 more. "
               "How many apples does he have now?")
     # whole blocks: τ measures the draft, not the CPU's cut of unsure slots
-    for ev in stream_generate(pair, _ids(pair, prompt), max_tokens=96, min_confidence=0.0):
+    for ev in stream_generate(pair, _ids(pair, prompt), max_tokens=96, min_confidence=0.0,
+                              adaptive=False):  # and every round speculates
         stats.add(ev)
     assert stats.tau > 1.5, stats.as_dict()
 

@@ -114,7 +114,8 @@ def test_greedy_with_lookup_is_exact(pair, block):
         reference = mlx_lm_greedy(pair.target.model, prompt, 40)
         for min_confidence in (0.0, 0.05):
             events = list(stream_generate(pair, prompt, block_size=block, max_tokens=40,
-                                          min_confidence=min_confidence, lookup=True))
+                                          min_confidence=min_confidence, lookup=True,
+                                          adaptive=False))  # speculate every round
             out = [t for e in events for t in e.tokens]
             n = reference.index(tiny.EOS_ID) + 1 if tiny.EOS_ID in reference else len(reference)
             assert out == reference[:n]
@@ -174,7 +175,8 @@ def test_stats_and_summary_count_lookup_slots(pair):
     rng = np.random.default_rng(11)
     stats = Stats()
     for _ in range(3):
-        for ev in stream_generate(pair, _repetitive_prompt(rng), block_size=5, max_tokens=40):
+        for ev in stream_generate(pair, _repetitive_prompt(rng), block_size=5, max_tokens=40,
+                                  adaptive=False):  # every round speculates
             stats.add(ev)  # the pair's default: lookup on
     assert stats.lookup_slots > 0 and 0 <= stats.lookup_accepted <= stats.lookup_slots
     d = stats.as_dict()

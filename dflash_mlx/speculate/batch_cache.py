@@ -27,7 +27,11 @@ from ..models.cache import ContextCache
 class _Rows:
     """A (B, H, capacity, D) key/value buffer pair with per-row `left` and `end` indices."""
 
-    step = 256
+    # growth: what the rows need plus an eighth (at least `step`), in multiples of `step`: a
+    # copy every few dozen rounds, and little reserved that no row uses (a batch holds many
+    # rows; mlx-lm's 256 positions ahead per row would be most of a short chat's KV)
+    step = 32
+    cut_on_growth = True  # growing drops the columns before every row (indices move)
 
     def __init__(self):
         self.keys = self.values = None
@@ -47,8 +51,9 @@ class _Rows:
         need = max(self.end) + n
         if self.keys is not None and need <= self.keys.shape[2]:
             return
-        cut = min(self.left)
-        cap = ((need - cut + self.step - 1) // self.step + 1) * self.step
+        cut = min(self.left) if self.cut_on_growth else 0
+        want = need - cut + max(self.step, (need - cut) // 8)
+        cap = (want + self.step - 1) // self.step * self.step
         B, H, _, dk = like_k.shape
         k = mx.zeros((B, H, cap, dk), like_k.dtype)
         v = mx.zeros((B, H, cap, like_v.shape[3]), like_v.dtype)
@@ -138,8 +143,20 @@ class RaggedKVCache(_Rows):
     def offset(self) -> mx.array:
         return mx.array([e - l for l, e in zip(self.left, self.end)])
 
+    # The model builds its mask from `end` before a layer writes: indices must not move
+    # inside a pass, so the columns no row uses any more go when rows leave (`filter`).
+    cut_on_growth = False
+
     def lengths(self) -> list[int]:
         return [e - l for l, e in zip(self.left, self.end)]
+
+    def filter(self, keep: list[int]):
+        super().filter(keep)
+        cut = min(self.left, default=0)
+        if cut and self.keys is not None:
+            self.keys, self.values = self.keys[..., cut:, :], self.values[..., cut:, :]
+            self.left = [x - cut for x in self.left]
+            self.end = [x - cut for x in self.end]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         self._scatter(keys, values)
