@@ -12,7 +12,8 @@ target's distribution.
 Targets whose caches are all plain KV caches run batched. Sliding-window (rotating) and
 GatedDeltaNet targets keep one cache per sequence (their exact rollbacks are per sequence) and
 run their sequences one after another inside each step: same API, same events, no batching;
-`Batch.serial` says why. Structured output (a grammar per sequence) masks each row's verify
+`Batch.serial` says why. While every row decodes plainly, each round is launched before the
+previous one is read (`speculate/batch_plain.py`). Structured output (a grammar per sequence) masks each row's verify
 rows as a single sequence's round does. Draft trees are refused here for now.
 """
 
@@ -41,7 +42,8 @@ from .generate import (
 )
 from .inputs import encode_prompt
 from .speculate import SamplingParams, SpeculationConfig, guards
-from .speculate.batch_cache import RaggedKVCache, filter_rows
+from .speculate.batch_cache import RaggedKVCache, filter_rows, set_lengths
+from .speculate.batch_plain import Ahead, can_go_ahead, commit, launch, next_tokens
 from .speculate.batch_draft import make_draft_caches
 from .speculate.batch_round import Row, batch_round
 from .speculate.grammar import Grammar
@@ -112,6 +114,9 @@ class Batch:
         self._seqs: list[_Seq] = []
         self._fresh: list[tuple[_Seq, Session, list[int]]] = []  # prefilled at the next step
         self._count = 0
+        self._ahead: Ahead | None = None  # a plain round launched and not read yet
+        self._decided: bool | None = None  # the next round's kind, decided a step early
+        self._tic = 0.0
         self.target_cache = self.draft_cache = None
         # speculation or plain decoding, per round, from the costs measured at each batch size
         self.control = (WidthControl(config.pass_costs)
@@ -236,6 +241,16 @@ class Batch:
 
     def _leave(self, rows: set[int]):
         keep = [i for i in range(len(self._seqs)) if i not in rows]
+        if self.target_cache is not None and rows:
+            # a leaving row keeps what it committed (a launched round may have written more)
+            lengths = self.target_cache[0].lengths()
+            for i in rows:
+                lengths[i] = len(self._seqs[i].row.tokens) - 1
+            set_lengths(self.target_cache, lengths)
+        if self._ahead is not None:
+            self._ahead.keep([i for i in keep if i < len(self._ahead.rows)])
+            if not self._ahead.rows:
+                self._ahead = None
         for i in sorted(rows):
             s = self._seqs[i]
             if self.control is not None:
@@ -258,20 +273,20 @@ class Batch:
 
     def step(self) -> list[BatchEvent]:
         """One round for every running sequence: one event each; finished ones leave."""
+        if self._ahead is not None:  # a plain round is running: read it, start the next
+            return self._step_ahead()
         failed = self._join_fresh()
         if not self._seqs:
             return failed
         keys = [s.index for s in self._seqs]
-        fixed = any(s.fixed for s in self._seqs)
-        wide = self.control is None or self.control.speculate(keys, fixed)
-        for s in self._seqs:
-            width = min(s.block if wide else 1, s.budget.max_tokens - s.budget.produced)
-            drafts = width > 1 and not s.req.lookup_only
-            s.key, dkey, vkey = _keys(s.key, s.req.params, drafts)
-            if s.row is not None:
-                s.row.width, s.row.dkey, s.row.vkey = width, dkey, vkey
-            else:
-                s.widths = (width, (dkey, vkey))
+        wide = self._decide(keys)
+        widths = self._widths(wide)
+        if self.serial is None and all(w == 1 for w in widths) and can_go_ahead(
+                [s.row for s in self._seqs]):
+            self._tic = time.perf_counter()
+            self._ahead = self._launch(mx.array([s.row.tokens[-1] for s in self._seqs]))
+            return failed + self._step_ahead()
+        self._draw_keys(widths)
         if self.serial is None:
             rounds = batch_round(self.pair, self.config, [s.row for s in self._seqs],
                                  self.target_cache, self.draft_cache)
@@ -282,6 +297,55 @@ class Batch:
                        else sum(r.draft_s + r.verify_s for r in rounds))
             rows = max(1 + len(r.drafted) for r in rounds)  # every row is padded to the widest
             self.control.record(keys, wide, seconds, [len(r.tokens) for r in rounds], rows)
+        return failed + self._finish(rounds)
+
+    def _decide(self, keys: list[int]) -> bool:
+        """Whether the next round speculates (decided once per round, even across steps)."""
+        if self._decided is not None:
+            wide, self._decided = self._decided, None
+            return wide
+        fixed = any(s.fixed for s in self._seqs)
+        return self.control is None or self.control.speculate(keys, fixed)
+
+    def _widths(self, wide: bool) -> list[int]:
+        return [min(s.block if wide else 1, s.budget.max_tokens - s.budget.produced)
+                for s in self._seqs]
+
+    def _draw_keys(self, widths: list[int]):
+        """This round's widths and random keys, per sequence."""
+        for s, width in zip(self._seqs, widths):
+            drafts = width > 1 and not s.req.lookup_only
+            s.key, dkey, vkey = _keys(s.key, s.req.params, drafts)
+            if s.row is not None:
+                s.row.width, s.row.dkey, s.row.vkey = width, dkey, vkey
+            else:
+                s.widths = (width, (dkey, vkey))
+
+    def _launch(self, last: mx.array):
+        self._draw_keys([1] * len(self._seqs))
+        return launch(self.pair, [s.row for s in self._seqs], last, self.target_cache,
+                      self.draft_cache is not None)
+
+    def _step_ahead(self) -> list[BatchEvent]:
+        """Read the launched plain round; before that, launch the next one from its answers
+        on the device when the batch goes on plainly as it is (nobody joined or joins)."""
+        ahead, self._ahead = self._ahead, None
+        keys = [s.index for s in self._seqs]
+        if not self._fresh and len(ahead.rows) == len(self._seqs):
+            wide = self._decide(keys)
+            if all(w == 1 for w in self._widths(wide)):
+                self._ahead = self._launch(next_tokens(ahead))
+            else:
+                self._decided = wide  # the next step's round, after this one is read
+        now = time.perf_counter()
+        rounds = commit(self.pair, ahead, now - self._tic)  # a round's time: commit to commit
+        self._tic = now
+        if self.control is not None:
+            self.control.record(keys[: len(rounds)], False, rounds[0].verify_s)
+        return self._finish(rounds)
+
+    def _finish(self, rounds: list[Round]) -> list[BatchEvent]:
+        """Events of a round over the first len(rounds) sequences; finished ones leave."""
         events, done = [], set()
         for i, (s, rnd) in enumerate(zip(self._seqs, rounds)):
             events.append(self._event(s, rnd))
@@ -289,7 +353,7 @@ class Batch:
                 done.add(i)
         if done:
             self._leave(done)
-        return failed + events
+        return events
 
     def _serial_round(self, s: _Seq) -> Round:
         try:
