@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import random
 
-import mlx.core as mx
 import pytest
 
 from dflash_mlx import Session, stream_generate, tiny
@@ -25,6 +24,7 @@ from dflash_mlx.speculate.width import (PROBE_FIRST, PROBE_MAX, PROBE_SHARE, Pas
                                         WidthControl)
 from support.engine import (GATED, Oracle, OracleDraft, float32_pair, make_draft4,
                             mlx_lm_greedy)
+from support.batch_run import check_caches
 from support.rows_oracle import Plan, RowsOracleDraft
 
 
@@ -183,12 +183,6 @@ def test_any_choice_of_width_decodes_greedy_exactly(pairs, family, monkeypatch):
         assert pair.target.cache_length(session.target_cache) == len(session.tokens) - 1
 
 
-def _fresh_rows(target, tokens):
-    cache = target.make_cache()
-    target(mx.array([tokens]), cache, taps=False)
-    return [(c.keys[..., : len(tokens), :], c.values[..., : len(tokens), :]) for c in cache]
-
-
 @pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3"])
 def test_any_choice_in_a_batch_with_joins_and_cancels(pairs, family, monkeypatch):
     monkeypatch.setattr(batch_module, "WidthControl", Coin)
@@ -198,7 +192,7 @@ def test_any_choice_in_a_batch_with_joins_and_cancels(pairs, family, monkeypatch
         Coin.rng = random.Random(seed)
         rng = random.Random(200 + seed)
         prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 30))] for _ in range(4)]
-        batch = Batch(pair, config)
+        batch, check = Batch(pair, config), check_caches(pair)
         oracles = {i: Oracle(reference(pair.target.model, p, 28), len(p), 0.1 + 0.2 * i, seed)
                    for i, p in enumerate(prompts)}
         pair.draft.plan = Plan(batch, oracles)
@@ -216,11 +210,7 @@ def test_any_choice_in_a_batch_with_joins_and_cancels(pairs, family, monkeypatch
                 batch.cancel(1)
                 outs.pop(1)
             if batch.serial is None:  # each batched row's cache is a fresh prefill
-                for b, index in enumerate(batch.rows):
-                    tokens = batch.tokens(index)[:-1]
-                    for c, (k, _) in zip(batch.target_cache, _fresh_rows(pair.target, tokens)):
-                        got_k, _ = c.rows(b)
-                        assert float(mx.abs(got_k - k).max()) < 1e-4 * (float(mx.abs(k).max()) + 1)
+                check(batch)
         pair.draft.plan = None
         assert kinds == {True, False}
         for i, out in outs.items():
