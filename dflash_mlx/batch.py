@@ -28,7 +28,7 @@ import mlx.core as mx
 from mlx_lm.generate import wired_limit
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from .batch_prefill import prefill_together
+from .batch_prefill import groups, prefill_together
 from .errors import InvalidArgumentError
 from .generate import (
     BlockEvent,
@@ -94,6 +94,14 @@ class _Seq:
     fixed: bool = False  # seeded sampling: its widths must not depend on the load
     note: str | None = None
     limit_note: str | None = None  # said when it stops at the model's context
+
+
+def _let_go(pair, session: Session):
+    """Empty `session` (its row lives in the batch, or its prefill failed)."""
+    session.target_cache[:] = pair.target.make_cache()
+    if session.draft_cache is not None:
+        session.draft_cache[:] = pair.draft.make_cache(session.draft_window)
+    session.tokens, session.pending = [], None
 
 
 class Batch:
@@ -179,7 +187,7 @@ class Batch:
         tic = time.perf_counter()
         n_prompt, n_reused = prefill(pair, session, ids)
         if self.serial is None:
-            self._join(seq, session)
+            self._join([seq], [session])
             seq.home = home
         else:
             seq.session = session
@@ -188,44 +196,58 @@ class Batch:
         return seq.index
 
     def _join_fresh(self) -> list[BatchEvent]:
-        """Prefill the fresh prompts together and join them; if that fails they alone end
-        (error events), the running sequences never saw them."""
+        """Prefill the fresh prompts in groups of close lengths and join them; a group whose
+        prefill fails alone ends (error events), the running sequences never saw it."""
         fresh, self._fresh = self._fresh, []
-        if not fresh:
-            return []
-        tic = time.perf_counter()
-        try:
-            prefill_together(self.pair, [f[1] for f in fresh], [f[2] for f in fresh])
-        except Exception as e:
-            return [self._event(seq, Round([], "error", [], 0, None, 0.0, 0.0, error=e))
-                    for seq, _, _ in fresh]
-        seconds = time.perf_counter() - tic
-        for seq, session, ids in fresh:
-            self._join(seq, session)
-            seq.prompt = (len(ids) - 1, 0, seconds)
-            self._seqs.append(seq)
-        return []
+        failed = []
+        for group in groups([len(f[2]) for f in fresh]):
+            part = [fresh[i] for i in sorted(group)]
+            seqs, sessions, prompts = zip(*part)
+            tic = time.perf_counter()
+            try:
+                rows = prefill_together(self.pair, list(sessions), list(prompts))
+                self._join(list(seqs), list(sessions), rows)
+            except Exception as e:
+                for s in sessions:
+                    _let_go(self.pair, s)
+                failed += [self._event(seq, Round([], "error", [], 0, None, 0.0, 0.0, error=e))
+                           for seq in seqs]
+                continue
+            seconds = time.perf_counter() - tic
+            for seq, ids in zip(seqs, prompts):
+                seq.prompt = (len(ids) - 1, 0, seconds)
+                self._seqs.append(seq)
+        return failed
 
-    def _join(self, seq: _Seq, session: Session):
-        """Copy a prefilled single-sequence session into the batch's caches as a new row."""
+    def _join(self, seqs: list[_Seq], sessions: list[Session], target_rows=None):
+        """Copy prefilled single-sequence sessions into the batch's caches as new rows (their
+        target rows from `target_rows` when a shared prefill left them there). The sessions
+        let their caches go: a row lives once, in the batch, until it is written back."""
         rows = list(range(len(self._seqs)))
         try:
-            if self.draft_cache is not None:
+            for s in sessions if self.draft_cache is not None else ():
                 # the draft takes the prompt's last taps now, as its first pass would have
-                self.pair.draft.absorb_context(session.pending, session.draft_cache)
-                session.pending = None
-                for batch, own in zip(self.draft_cache, session.draft_cache):
-                    batch.add(own)
-            for batch, own in zip(self.target_cache, session.target_cache):
-                batch.add(own)
-            mx.eval([c.state for c in self.target_cache + (self.draft_cache or [])])
+                self.pair.draft.absorb_context(s.pending, s.draft_cache)
+                s.pending = None
+            for i, batch in enumerate(self.draft_cache or []):  # a layer at a time
+                batch.add(*[s.draft_cache[i] for s in sessions])
+                mx.eval(batch.state)
+            for i, batch in enumerate(self.target_cache):
+                if target_rows is not None:
+                    batch.extend(target_rows[i])
+                    target_rows[i] = None  # its rows now live in the batch's buffer only
+                else:
+                    batch.add(*[s.target_cache[i] for s in sessions])
+                mx.eval(batch.state)
         except BaseException:  # half joined: the running rows stay as they were
             for caches in (self.target_cache, self.draft_cache or []):
                 for c in caches:
                     if c.batch_size > len(rows):
                         c.filter(rows)
             raise
-        seq.row = Row(list(session.tokens), session.pending, seq.req)
+        for seq, s in zip(seqs, sessions):
+            seq.row = Row(list(s.tokens), s.pending, seq.req)
+            _let_go(self.pair, s)
 
     def cancel(self, index: int) -> bool:
         """Drop a sequence between steps (False: it is not running); the others go on exactly."""

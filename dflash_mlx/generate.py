@@ -182,6 +182,7 @@ def prefill(pair, session: Session, prompt: list[int]) -> tuple[int, int]:
                 _feed_draft(pair, session, taps, floor)
                 states += [c.state for c in session.draft_cache] + [session.pending]
             mx.eval(states)
+            del states  # held into the next pass, it would keep buffers a growth replaces
             session.tokens.extend(chunk)
         pair.target.checkpoint(session.target_cache)
     except BaseException:

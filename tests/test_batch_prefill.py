@@ -35,16 +35,18 @@ def _close(a, b) -> bool:
 
 @pytest.mark.parametrize("window", [None, 6])
 def test_together_equals_one_at_a_time(pair, monkeypatch, window):
-    monkeypatch.setattr(batch_prefill, "prefill_step", lambda: 8)  # several chunks
+    # several chunks: 8 columns per row and pass, as one prefill's 8
+    monkeypatch.setattr(batch_prefill, "prefill_step", lambda: 8 * len(PROMPTS))
+    monkeypatch.setattr(batch_prefill, "MIN_CHUNK", 1)
     monkeypatch.setattr(generate, "prefill_step", lambda: 8)
     config = SpeculationConfig(block_size=5, draft_window=window)
     together = [Session.new(pair, config) for _ in PROMPTS]
-    batch_prefill.prefill_together(pair, together, PROMPTS)
-    for p, s in zip(PROMPTS, together):
+    rows = batch_prefill.prefill_together(pair, together, PROMPTS)
+    for i, (p, s) in enumerate(zip(PROMPTS, together)):
         alone = Session.new(pair, config)
         generate.prefill(pair, alone, p)
         assert s.tokens == alone.tokens == p
-        for a, b in zip(s.target_cache, alone.target_cache):
+        for a, b in zip([c.export(i) for c in rows], alone.target_cache):
             assert a.offset == b.offset == len(p) - 1
             assert _close(a.keys[..., : a.offset, :] if a.offset else None,
                           b.keys[..., : b.offset, :] if b.offset else None)
@@ -66,7 +68,21 @@ def test_fresh_prompts_decode_what_each_decodes_alone(pair, monkeypatch):
     outs = {i: [] for i in range(len(PROMPTS))}
     for ev in batch_generate(pair, PROMPTS, config, max_tokens=16):
         outs[ev.index] += ev.tokens
-    assert calls == [len(PROMPTS)]  # one shared prefill for all of them
+    # lengths 37, 21, 9 share passes (44 tokens of padding); the one-token prompt would pad 36
+    # more (80 > 64 tokens of slack), so it goes alone
+    assert calls == [3, 1]
     for i, p in enumerate(PROMPTS):
         alone = [t for e in stream_generate(pair, p, config, max_tokens=16) for t in e.tokens]
         assert outs[i] == alone, f"sequence {i}"
+
+
+def test_groups_keep_padding_within_a_quarter_or_the_slack():
+    assert batch_prefill.groups([]) == []
+    assert batch_prefill.groups([10, 10, 10]) == [[0, 1, 2]]
+    # 60 and 30 pad 30 (<= 64); adding 5 would pad 85
+    assert batch_prefill.groups([5, 60, 30], slack=64) == [[1, 2], [0]]
+    # 60 and 30 pad 30 > 16 and > 90 / 4; 30 and 5 pad 25 > 16
+    assert batch_prefill.groups([5, 60, 30], slack=16) == [[1], [2], [0]]
+    # long prompts: a quarter of their tokens (padding 200 <= 450, then 500 <= 625; not 4000)
+    assert batch_prefill.groups([1000, 800, 700], slack=0) == [[0, 1, 2]]
+    assert batch_prefill.groups([4000, 1000], slack=0) == [[0], [1]]

@@ -13,7 +13,9 @@ positions a fresh prefill would give them.
 `RaggedKVCache` serves one layer of a standard-attention target (mlx-lm models call
 `update_and_fetch`, `make_mask` and read `offset`); `RaggedContextCache` holds one draft layer's
 context rows, at absolute positions, as the draft's single-sequence `ContextCache` does.
-Sequences join with `add` (their own prefill, then a copy) and leave with `filter`.
+Sequences join with `add` (their own prefill, then a copy) or `extend` (rows prefilled together)
+and leave with `filter`. Every copy of a buffer is made one layer at a time, so the batch
+holds its K/V about once, not twice, while rows join, leave or grow.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ class _Rows:
             used = max(self.end) - cut
             k[..., :used, :] = self.keys[..., cut: cut + used, :]
             v[..., :used, :] = self.values[..., cut: cut + used, :]
+            # copied now, so the old buffer goes before the next layer grows: a growth holds
+            # one layer twice, not the whole batch's K/V
+            mx.eval(k, v)
         self.keys, self.values = k, v
         self.left = [x - cut for x in self.left]
         self.end = [x - cut for x in self.end]
@@ -86,43 +91,35 @@ class _Rows:
         self.left = [self.left[i] for i in keep]
         self.end = [self.end[i] for i in keep]
 
-    def _add(self, k: mx.array | None, v: mx.array | None, n: int):
-        """One more row holding `n` entries `k`/`v` (1, H, n, D), ending where the longest
-        row ends (all rows shift right when it is longer than every row)."""
+    def _add(self, rows: list[tuple[mx.array | None, mx.array | None, int]]):
+        """New rows, each holding its `n` entries `k`/`v` (1, H, n, D) from column 0, built in
+        one buffer and appended with one copy of the rest."""
+        width = max((n for _, _, n in rows), default=0)
+        like = next(((k, v) for k, v, n in rows if n), None)
+        keys = values = None
+        if like is not None:
+            (_, H, _, dk), dv = like[0].shape, like[1].shape[3]
+            keys = mx.zeros((len(rows), H, width, dk), like[0].dtype)
+            values = mx.zeros((len(rows), H, width, dv), like[1].dtype)
+            for i, (k, v, n) in enumerate(rows):
+                if n:
+                    keys[i: i + 1, :, :n] = k
+                    values[i: i + 1, :, :n] = v
+        self._append(len(rows), keys, values, [0] * len(rows), [n for _, _, n in rows])
+
+    def extend(self, other: "_Rows"):
+        """Append `other`'s rows where they lie in its buffer (rows need not end together)."""
+        self._append(other.batch_size, other.keys, other.values, other.left, other.end)
+
+    def _append(self, n: int, keys, values, left: list[int], end: list[int]):
+        """Rows `keys`/`values` (n, H, <= capacity, D) or None (all empty) after these: one
+        copy of both, or none when this holds no row."""
         if self.batch_size == 0:
-            self.left, self.end, self.keys, self.values = [0], [n], None, None
-            if n:
-                self.keys, self.values = mx.contiguous(k), mx.contiguous(v)
-            return
-        top = max(self.end)
-        shift = max(n - top, 0)
-        if shift and self.keys is not None:
-            pad = [(0, 0), (0, 0), (shift, 0), (0, 0)]
-            self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
-        self.left = [x + shift for x in self.left]
-        self.end = [x + shift for x in self.end]
-        end = top + shift
-        like_k = self.keys if self.keys is not None else k
-        like_v = self.values if self.values is not None else v
-        if like_k is None:  # nothing stored anywhere yet
-            self.left.append(end - n)
-            self.end.append(end)
-            return
-        cap = self.keys.shape[2] if self.keys is not None else end
-        H, dk, dv = like_k.shape[1], like_k.shape[3], like_v.shape[3]
-        row_k = mx.zeros((1, H, cap, dk), like_k.dtype)
-        row_v = mx.zeros((1, H, cap, dv), like_v.dtype)
-        if n:
-            row_k[..., end - n: end, :] = k
-            row_v[..., end - n: end, :] = v
-        if self.keys is None:  # rows so far are empty: give them zero buffers too
-            B = self.batch_size
-            self.keys = mx.zeros((B, H, cap, dk), like_k.dtype)
-            self.values = mx.zeros((B, H, cap, dv), like_v.dtype)
-        self.keys = mx.concatenate([self.keys, row_k])
-        self.values = mx.concatenate([self.values, row_v])
-        self.left.append(end - n)
-        self.end.append(end)
+            self.keys, self.values = keys, values
+        elif self.keys is not None or keys is not None:
+            self.keys = _stack(self.batch_size, self.keys, n, keys)
+            self.values = _stack(self.batch_size, self.values, n, values)
+        self.left, self.end = self.left + left, self.end + end
 
     def rows(self, b: int) -> tuple[mx.array, mx.array] | tuple[None, None]:
         """Row b's valid entries (1, H, n, D), oldest first."""
@@ -130,6 +127,20 @@ class _Rows:
             return None, None
         lo, hi = self.left[b], self.end[b]
         return self.keys[b: b + 1, :, lo:hi], self.values[b: b + 1, :, lo:hi]
+
+
+def _stack(n1: int, a: mx.array | None, n2: int, b: mx.array | None) -> mx.array:
+    """Rows of `a` then of `b` (either may be None: zeros), in one buffer as wide as the
+    wider, written in place into it."""
+    like = a if a is not None else b
+    cap = max(x.shape[2] for x in (a, b) if x is not None)
+    H, d = like.shape[1], like.shape[3]
+    out = mx.zeros((n1 + n2, H, cap, d), like.dtype)
+    if a is not None:
+        out[:n1, :, : a.shape[2]] = a
+    if b is not None:
+        out[n1:, :, : b.shape[2]] = b
+    return out
 
 
 class RaggedKVCache(_Rows):
@@ -183,12 +194,11 @@ class RaggedKVCache(_Rows):
                 raise ValueError(f"row {b} holds {self.end[b] - self.left[b]} tokens, not {n}")
         self.end = [l + n for l, n in zip(self.left, lengths)]
 
-    def add(self, cache) -> None:
-        """Append one sequence from its own (prefilled) mlx-lm `KVCache`."""
-        n = cache.offset
-        k = None if cache.keys is None else cache.keys[..., :n, :]
-        v = None if cache.values is None else cache.values[..., :n, :]
-        self._add(k, v, n)
+    def add(self, *caches) -> None:
+        """Append sequences from their own (prefilled) mlx-lm `KVCache`s."""
+        self._add([(None, None, 0) if c.keys is None else
+                   (c.keys[..., : c.offset, :], c.values[..., : c.offset, :], c.offset)
+                   for c in caches])
 
     def export(self, b: int) -> KVCache:
         """Row b as a single-sequence mlx-lm `KVCache` of its own (a copy: the batch's buffer
@@ -283,11 +293,11 @@ class RaggedContextCache(_Rows):
         self.pos = [self.pos[i] for i in keep]
         self.incoming = [0] * len(keep)
 
-    def add(self, cache) -> None:
-        """Append one sequence from its own `ContextCache` (its pending taps absorbed)."""
-        self._add(cache.keys, cache.values, cache.size())
-        self.pos.append(cache.offset)
-        self.incoming.append(0)
+    def add(self, *caches) -> None:
+        """Append sequences from their own `ContextCache`s (their pending taps absorbed)."""
+        self._add([(c.keys, c.values, c.size()) for c in caches])
+        self.pos += [c.offset for c in caches]
+        self.incoming += [0] * len(caches)
 
     def rows(self, b: int):
         lo, hi = self.visible_from()[b], self.end[b]
@@ -310,5 +320,8 @@ def set_lengths(caches: list[RaggedKVCache], lengths: list[int]):
 
 
 def filter_rows(caches: list | None, keep: list[int]):
+    """Keep these rows of every layer, one layer copied at a time (each layer's old buffer
+    goes before the next is copied)."""
     for c in caches or ():
         c.filter(keep)
+        mx.eval(c.state)
