@@ -28,7 +28,7 @@ import mlx.core as mx
 from mlx_lm.generate import wired_limit
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from .batch_prefill import groups, prefill_together
+from .batch_prefill import groups, join_rows, let_go, prefill_together
 from .errors import InvalidArgumentError
 from .generate import (
     BlockEvent,
@@ -94,14 +94,6 @@ class _Seq:
     fixed: bool = False  # seeded sampling: its widths must not depend on the load
     note: str | None = None
     limit_note: str | None = None  # said when it stops at the model's context
-
-
-def _let_go(pair, session: Session):
-    """Empty `session` (its row lives in the batch, or its prefill failed)."""
-    session.target_cache[:] = pair.target.make_cache()
-    if session.draft_cache is not None:
-        session.draft_cache[:] = pair.draft.make_cache(session.draft_window)
-    session.tokens, session.pending = [], None
 
 
 class Batch:
@@ -209,7 +201,7 @@ class Batch:
                 self._join(list(seqs), list(sessions), rows)
             except Exception as e:
                 for s in sessions:
-                    _let_go(self.pair, s)
+                    let_go(self.pair, s)
                 failed += [self._event(seq, Round([], "error", [], 0, None, 0.0, 0.0, error=e))
                            for seq in seqs]
                 continue
@@ -220,34 +212,11 @@ class Batch:
         return failed
 
     def _join(self, seqs: list[_Seq], sessions: list[Session], target_rows=None):
-        """Copy prefilled single-sequence sessions into the batch's caches as new rows (their
-        target rows from `target_rows` when a shared prefill left them there). The sessions
-        let their caches go: a row lives once, in the batch, until it is written back."""
-        rows = list(range(len(self._seqs)))
-        try:
-            for s in sessions if self.draft_cache is not None else ():
-                # the draft takes the prompt's last taps now, as its first pass would have
-                self.pair.draft.absorb_context(s.pending, s.draft_cache)
-                s.pending = None
-            for i, batch in enumerate(self.draft_cache or []):  # a layer at a time
-                batch.add(*[s.draft_cache[i] for s in sessions])
-                mx.eval(batch.state)
-            for i, batch in enumerate(self.target_cache):
-                if target_rows is not None:
-                    batch.extend(target_rows[i])
-                    target_rows[i] = None  # its rows now live in the batch's buffer only
-                else:
-                    batch.add(*[s.target_cache[i] for s in sessions])
-                mx.eval(batch.state)
-        except BaseException:  # half joined: the running rows stay as they were
-            for caches in (self.target_cache, self.draft_cache or []):
-                for c in caches:
-                    if c.batch_size > len(rows):
-                        c.filter(rows)
-            raise
-        for seq, s in zip(seqs, sessions):
-            seq.row = Row(list(s.tokens), s.pending, seq.req)
-            _let_go(self.pair, s)
+        """Prefilled sessions' rows into the batch's caches (`join_rows`); the sessions let
+        go of theirs."""
+        for seq, (tokens, pending) in zip(seqs, join_rows(
+                self.pair, self.target_cache, self.draft_cache, sessions, target_rows)):
+            seq.row = Row(tokens, pending, seq.req)
 
     def cancel(self, index: int) -> bool:
         """Drop a sequence between steps (False: it is not running); the others go on exactly."""

@@ -1,4 +1,4 @@
-"""Prefill several fresh prompts in shared target passes (sequences joining a batch together).
+"""Sequences joining a batch: fresh prompts prefilled in shared target passes, rows copied in.
 
 One prompt at a time, a batch of N new requests pays N prefill passes whose rows are few; on
 a CPU (or a GPU) a pass of N prompts' rows costs much less than N passes. Here the prompts go
@@ -78,3 +78,46 @@ def prefill_together(pair, sessions: list[Session], prompts: list[list[int]]) ->
         for s in sessions:
             s.tokens, s.pending = [], None
         raise
+
+
+def let_go(pair, session: Session):
+    """Empty `session` (its row lives in a batch now, or its prefill failed)."""
+    session.target_cache[:] = pair.target.make_cache()
+    if session.draft_cache is not None:
+        session.draft_cache[:] = pair.draft.make_cache(session.draft_window)
+    session.tokens, session.pending = [], None
+
+
+def join_rows(pair, target_cache: list, draft_cache: list | None, sessions: list[Session],
+              target_rows: list | None = None) -> list[tuple[list[int], mx.array | None]]:
+    """Append prefilled sessions as rows of a batch's caches (their target rows from
+    `target_rows`, the ragged caches `prefill_together` returned, when given), then empty the
+    sessions. Returns each one's (tokens, pending taps). On an exception the batch's caches
+    keep only their earlier rows and the sessions are as they were, but for the pending taps
+    the draft took."""
+    before = target_cache[0].batch_size
+    try:
+        for s in sessions if draft_cache is not None else ():
+            # the draft takes the prompt's last taps now, as its first pass would have
+            pair.draft.absorb_context(s.pending, s.draft_cache)
+            s.pending = None
+        for i, batch in enumerate(draft_cache or []):  # a layer at a time
+            batch.add(*[s.draft_cache[i] for s in sessions])
+            mx.eval(batch.state)
+        for i, batch in enumerate(target_cache):
+            if target_rows is not None:
+                batch.extend(target_rows[i])
+                target_rows[i] = None  # its rows now live in the batch's buffer only
+            else:
+                batch.add(*[s.target_cache[i] for s in sessions])
+            mx.eval(batch.state)
+    except BaseException:  # half joined: the running rows stay as they were
+        for c in target_cache + (draft_cache or []):
+            if c.batch_size > before:
+                c.filter(list(range(before)))
+        raise
+    out = []
+    for s in sessions:
+        out.append((list(s.tokens), s.pending))
+        let_go(pair, s)
+    return out
