@@ -286,6 +286,8 @@ class Batch:
         if self.control is not None:
             seconds = (rounds[0].draft_s + rounds[0].verify_s if self.serial is None
                        else sum(r.draft_s + r.verify_s for r in rounds))
+            if any(not s.budget.produced for s in self._seqs):
+                seconds = None  # a first round (new shapes, a joiner's context): not typical
             rows = max(1 + len(r.drafted) for r in rounds)  # every row is padded to the widest
             self.control.record(keys, wide, seconds, [len(r.tokens) for r in rounds], rows)
         return failed + self._finish(rounds)

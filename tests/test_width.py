@@ -18,7 +18,7 @@ import pytest
 from dflash_mlx import Session, stream_generate, tiny
 from dflash_mlx import batch as batch_module
 from dflash_mlx import generate as generate_module
-from dflash_mlx.batch import Batch
+from dflash_mlx.batch import Batch, batch_generate
 from dflash_mlx.speculate import SamplingParams, SpeculationConfig
 from dflash_mlx.speculate.width import (PROBE_FIRST, PROBE_MAX, PROBE_SHARE, PassCosts,
                                         WidthControl)
@@ -244,3 +244,42 @@ def test_measured_costs_decide_without_timing_plain_rounds():
     low = WidthControl(CPU)
     low.record([0], True, None, [1], 5)  # a draft that misses: τ 1 at 1.43 steps
     assert low.speculate([0]) is False
+
+
+class Recording(WidthControl):
+    """The real controller, keeping what each round recorded."""
+
+    log: list = []
+
+    def record(self, keys, speculated, seconds, committed=(), width=1):
+        Recording.log.append((tuple(keys), speculated, seconds))
+        super().record(keys, speculated, seconds, committed, width)
+
+
+def test_a_first_round_is_not_a_typical_cost_in_a_batch_as_alone(pairs, monkeypatch):
+    """A round holding a sequence's first (new shapes, a joiner's context) times nothing, as
+    `stream_generate`'s first round does not: else one slow first round makes speculation look
+    dear and the batch decodes plainly where one stream would not."""
+    monkeypatch.setattr(batch_module, "WidthControl", Recording)
+    monkeypatch.setattr(generate_module, "WidthControl", Recording)
+    pair = pairs["qwen3"][0]
+    config = SpeculationConfig(block_size=5, adaptive=True, pass_costs=None)
+    prompt = list(range(3, 20))
+    pair.draft.oracle = Oracle(reference(pair.target.model, prompt, 12), len(prompt), 0.3, 0)
+    for run in (lambda: stream_generate(pair, prompt, config, max_tokens=12),
+                lambda: batch_generate(pair, [prompt], config, max_tokens=12)):
+        Recording.log = []
+        list(run())
+        assert Recording.log[0][1:] == (True, None)  # speculated, not timed
+        assert all(secs is not None for _, _, secs in Recording.log[1:])
+    pair.draft.oracle = None
+    # a sequence joining a running batch: its first round is not timed either
+    Recording.log = []
+    batch = Batch(pair, config)
+    batch.add(prompt, max_tokens=12)
+    batch.step()
+    batch.step()
+    batch.add(prompt[:9], max_tokens=12)
+    batch.step()
+    batch.close()
+    assert [secs is None for _, _, secs in Recording.log] == [True, False, True]
