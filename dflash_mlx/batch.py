@@ -9,12 +9,13 @@ yield for it (`BatchEvent` is a `BlockEvent` plus the sequence's index), and its
 exactly the target's: greedy output equals its own single-sequence run, sampling follows the
 target's distribution.
 
-Targets whose caches are all plain KV caches run batched. Sliding-window (rotating) and
-GatedDeltaNet targets keep one cache per sequence (their exact rollbacks are per sequence) and
-run their sequences one after another inside each step: same API, same events, no batching;
-`Batch.serial` says why. While every row decodes plainly, each round is launched before the
-previous one is read (`speculate/batch_plain.py`). Structured output (a grammar per sequence) masks each row's verify
-rows as a single sequence's round does. Draft trees are refused here for now.
+Targets whose caches are plain KV and sliding-window (rotating) caches run batched (a window
+is the mask's in a batch: `speculate/batch_window.py`). GatedDeltaNet targets keep one cache
+per sequence (their exact rollbacks are per sequence) and run their sequences one after
+another inside each step: same API, same events, no batching; `Batch.serial` says why. While
+every row decodes plainly, each round is launched before the previous one is read
+(`speculate/batch_plain.py`). Structured output (a grammar per sequence) masks each row's
+verify rows as a single sequence's round does. Draft trees are refused here for now.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ from .generate import (
 )
 from .inputs import encode_prompt
 from .speculate import SamplingParams, SpeculationConfig, guards
-from .speculate.batch_cache import RaggedKVCache, filter_rows, set_lengths
+from .speculate.batch_cache import filter_rows, set_lengths
+from .speculate.batch_window import ragged_caches
 from .speculate.batch_plain import Ahead, can_go_ahead, commit, launch, next_tokens
 from .speculate.batch_draft import make_draft_caches
 from .speculate.batch_round import Row, batch_round
@@ -63,11 +65,8 @@ class BatchEvent(BlockEvent):
 def serial_reason(pair) -> str | None:
     """Why `pair`'s sequences cannot share one target pass (None: they can)."""
     kinds = set(pair.target.cache_types)
-    if kinds <= {KVCache}:
-        return None
-    if RotatingKVCache in kinds:
-        return ("sliding-window (rotating) caches roll back per sequence; "
-                "its sequences run one after another")
+    if kinds <= {KVCache, RotatingKVCache}:
+        return None  # sliding windows are the mask's in a batch (`batch_window.py`)
     if ArraysCache in kinds:
         return ("GatedDeltaNet (recurrent) caches roll back per sequence; "
                 "its sequences run one after another")
@@ -122,7 +121,7 @@ class Batch:
         self.control = (WidthControl(config.pass_costs)
                         if config.adaptive and config.block_size > 1 else None)
         if self.serial is None:
-            self.target_cache = [RaggedKVCache() for _ in pair.target.cache_types]
+            self.target_cache = ragged_caches(pair.target)
             if pair.draft is not None and config.block_size > 1 and not config.draft_free:
                 self.draft_cache = make_draft_caches(pair.draft, config.draft_window)
 
@@ -256,7 +255,8 @@ class Batch:
         """Row b's caches, tokens and pending taps into its session, as a single-sequence run
         would leave them (a server's next turn of that conversation reuses the reply)."""
         home, s.home = s.home, None
-        home.target_cache[:] = [c.export(b) for c in self.target_cache]
+        self.pair.target.refill(home.target_cache, [c.export(b) for c in self.target_cache],
+                                len(s.row.tokens) - 1)
         if self.draft_cache is not None and home.draft_cache is not None:
             home.draft_cache[:] = [c.export(b) for c in self.draft_cache]
         home.tokens, home.pending = list(s.row.tokens), s.row.pending

@@ -20,7 +20,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from .generate import Session, _feed_draft, prefill_step
-from .speculate.batch_cache import RaggedKVCache, set_lengths
+from .speculate.batch_cache import set_lengths
+from .speculate.batch_window import ragged_caches
 
 MIN_CHUNK = 32  # columns per row and pass, however many rows
 
@@ -44,9 +45,9 @@ def groups(lengths: list[int], slack: int = 64) -> list[list[int]]:
 
 def prefill_together(pair, sessions: list[Session], prompts: list[list[int]]) -> list:
     """Bring each fresh (empty) session to its prompt, as `generate.prefill` does, in shared
-    passes, but for the target's cache: returns it, one `RaggedKVCache` per layer whose row b
+    passes, but for the target's cache: returns it, one ragged cache per layer whose row b
     is what `prefill` leaves in session b's. On an exception the sessions are left empty."""
-    caches = [RaggedKVCache() for _ in pair.target.cache_types]
+    caches = ragged_caches(pair.target)
     for c in caches:  # one empty row each
         c.add(*[KVCache() for _ in prompts])
     bodies = [p[:-1] for p in prompts]  # the last token is the first round's slot 0

@@ -1,4 +1,4 @@
-"""Aggregate tokens/s with N prompts at once on the demo pair: batched speculation against the rest.
+"""Aggregate tokens/s with N prompts at once (the demo pair or --model): batched speculation against the rest.
 
 For each concurrency N (default 1, 2, 4, 8) the same N prompts are decoded greedy by
   (a) `batch_generate`: one round for all N per step (this project, batched; each round
@@ -14,6 +14,7 @@ Greedy outputs of (a) and (b) must match per prompt; a difference is reported, n
 Prompts: the held-out file (scripts/prompts/heldout-v1.jsonl), never the reporting set.
 
     python scripts/bench_batch.py --max-tokens 96 --repeats 3 [--json out.json]
+    python scripts/bench_batch.py --model gemma3-270m --draft lookup   # sliding windows
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ from pathlib import Path
 import dflash_mlx  # noqa: F401, I001  (first: preloads the system OpenBLAS before mlx on Linux)
 from mlx_lm.generate import BatchGenerator
 
-from dflash_mlx import load, stream_generate
+from dflash_mlx import load, registry, stream_generate
 from dflash_mlx.batch import batch_generate, serial_reason
+from dflash_mlx.chat import apply_template
+from dflash_mlx.engine import EngineSettings, open as open_engine
+from dflash_mlx.errors import DFlashError
 from dflash_mlx.registry import default_pair
 from dflash_mlx.speculate import SpeculationConfig
 
@@ -37,8 +41,7 @@ PROMPTS = Path(__file__).resolve().parent / "prompts" / "heldout-v1.jsonl"
 
 
 def chat_ids(pair, text: str) -> list[int]:
-    return pair.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                              add_generation_prompt=True)
+    return apply_template(pair.tokenizer, [{"role": "user", "content": text}])
 
 
 def run_batched(pair, prompts, config, n) -> tuple[float, list[list[int]]]:
@@ -81,11 +84,23 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path, help="write the table here too")
+    ap.add_argument("--model", default=None,
+                    help="a models.toml name or path (default: the demo pair)")
+    ap.add_argument("--draft", default=None, help="with --model: its draft, or 'lookup'")
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
 
-    pair = load(*default_pair())
-    config = SpeculationConfig.for_pair(pair)
+    if args.model is None:
+        pair = load(*default_pair())
+        config = SpeculationConfig.for_pair(pair)
+    else:
+        try:
+            opened = open_engine(registry.resolve(args.model, args.draft, False),
+                                 EngineSettings(tree=0))
+        except DFlashError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2)
+        pair, config = opened.pair, opened.config
     texts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line]
     print(f"target {pair.target_id} ({pair.weights}), draft {pair.draft_id}; "
           f"block {config.block_size}, cut {config.min_confidence}, lookup {config.lookup}; "

@@ -1,7 +1,7 @@
 """One sequence's fault ends that sequence alone: a logits processor that raises, or one that
 turns its logits into NaN, ends its request with finish_reason "error" (and the error), while
 every other sequence of the batch decodes exactly what it decodes alone and its caches stay a
-fresh prefill after every round. Batched (plain KV) and serial (sliding-window) targets."""
+fresh prefill after every round. Plain KV and sliding-window targets, both batched."""
 
 from __future__ import annotations
 
@@ -63,10 +63,10 @@ def test_a_faulty_sequence_ends_alone_and_the_others_stay_exact(pairs, family):
             outs[ev.index] += ev.tokens
             if ev.finish_reason is not None:
                 ends[ev.index] = ev
-        if batch.serial is None:  # batched rows: still a fresh prefill of their tokens
-            for b, index in enumerate(batch.rows):
-                tokens = batch.tokens(index)[:-1]
-                assert all(c.lengths()[b] == len(tokens) for c in batch.target_cache)
+        assert batch.serial is None
+        for b, index in enumerate(batch.rows):  # batched rows: still their tokens' prefill
+            tokens = batch.tokens(index)[:-1]
+            assert all(c.lengths()[b] == len(tokens) for c in batch.target_cache)
     for i in (0, 2):
         ref = mlx_lm_greedy(pair.target.model, PROMPTS[i], 24)
         assert outs[i] == ref[: len(outs[i])] and ends[i].error is None

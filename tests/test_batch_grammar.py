@@ -25,9 +25,8 @@ def test_grammar_rows_beside_free_rows(pairs, family):  # noqa: F811
     constraints = [Constraint("regex", "[0-9]{6}"), None, Constraint.json_schema(SCHEMAS[0])]
     sampling = [SamplingParams(constraint=c) if c else SamplingParams() for c in constraints]
     config = SpeculationConfig(block_size=5, lookup=False, adaptive=False)
-    check = check_caches(pair) if family != "gemma3" else None  # gemma3: serial, own caches
     outs = drive(pair, prompts, config, 40, p_wrong=[0.3, 0.5, 0.2], sampling=sampling,
-                 check=check)
+                 check=check_caches(pair))
     for i, (p, c) in enumerate(zip(prompts, constraints)):
         ref = (constrained_reference(pair, p, 40, c.grammar()) if c
                else reference(pair.target.model, p, 40))

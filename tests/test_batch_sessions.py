@@ -1,7 +1,8 @@
 """A batched sequence started from a `Session` ends in it, as a single-sequence run would:
 its target cache rows are a fresh prefill of its tokens, its draft context plus pending taps
 cover the same positions, and the next turn in that session decodes exactly what a fresh
-session does (the server's prompt cache reuses batched replies this way)."""
+session does (the server's prompt cache reuses batched replies this way); sliding-window
+sessions too, joining from wrapped windows and going back to them."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from dflash_mlx import Session, stream_generate, tiny
 from dflash_mlx.batch import Batch
 from dflash_mlx.models.dflash import DFlashDraftModel
 from dflash_mlx.speculate import SpeculationConfig
-from support.engine import float32_pair
+from support.batch_run import check_caches
+from support.engine import GATED, float32_pair, make_draft4, mlx_lm_greedy
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +78,42 @@ def test_sequences_leave_their_caches_in_their_sessions(pair):
         # the whole conversation so far was reused, only the follow-up prefilled
         assert events[0].reused_tokens == cached
         assert events[0].prompt_tokens == len(follow)
+
+
+@pytest.fixture(scope="module")
+def window_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch-window-sessions")
+    return float32_pair(tiny.make_target(root / "g", **GATED), make_draft4(root / "d"),
+                        DFlashDraftModel)
+
+
+def test_wrapped_sliding_windows_join_and_go_back(window_pair):
+    """Sessions whose rotating caches wrapped in a first turn alone (they hold only the
+    window's last entries) join a batch, decode together and leave: each answer is its own
+    run's and mlx-lm's, and the turn after that, alone in the session, is a fresh session's."""
+    pair = window_pair
+    config = SpeculationConfig(block_size=5, lookup=False, adaptive=False)
+    firsts = [(list(range(3, 40)), 6), ([7] * 12 + [40, 41], 9), ([5, 9], 2)]  # window: 8
+    sessions = []
+    for p, n in firsts:
+        s = Session.new(pair, config)
+        list(stream_generate(pair, p, config, session=s, max_tokens=n))
+        sessions.append(s)
+    batch = Batch(pair, config)
+    assert batch.serial is None
+    seconds = [s.tokens + [20, 21, 22] for s in sessions]
+    outs = {batch.add(p, max_tokens=14, session=s): [] for p, s in zip(seconds, sessions)}
+    assert batch.target_cache[0].dropped[0] > 0  # joined from a wrapped window
+    check = check_caches(pair)
+    while batch.running:
+        for ev in batch.step():
+            outs[ev.index] += ev.tokens
+        check(batch)
+    for i, (p, s) in enumerate(zip(seconds, sessions)):
+        assert outs[i] == _tokens(stream_generate(pair, p, config, max_tokens=14))
+        assert outs[i] == mlx_lm_greedy(pair.target.model, p, len(outs[i]))
+        assert s.tokens == p + outs[i]
+        turn = s.tokens + [3, 4, 5]
+        events = list(stream_generate(pair, turn, config, session=s, max_tokens=10))
+        assert _tokens(events) == _tokens(stream_generate(pair, turn, config, max_tokens=10))
+        assert events[0].reused_tokens == len(p + outs[i]) - 1

@@ -358,3 +358,33 @@ def test_fetch_rejects_a_wrong_sha256(monkeypatch, tmp_path):
     assert list(gemma.gemma_file().parent.glob("*.part")) == []
     with pytest.raises(ModelNotFoundError, match="not downloaded"):
         gemma.gemma_path(fetch=False)
+
+
+@pytest.mark.demo
+def test_gemma_batch_equals_mlx_lm(gemma_pair):
+    """Batched, its sliding windows the batch's masks: prompts of different lengths, one past
+    the 512-token window, speculated by draft-free lookup and decoded plainly; every answer is
+    mlx-lm's alone."""
+    from mlx_lm.generate import generate_step
+
+    from dflash_mlx.batch import batch_generate
+    from dflash_mlx.speculate import SpeculationConfig
+
+    tok = gemma_pair.tokenizer
+    texts = ["The history of the printing press begins",
+             "Count on: one two three four five six seven eight nine ten one two three",
+             "A list of old towns and rivers, repeated: " + "Arles on the Rhone, " * 110]
+    prompts = [tok.encode(t) for t in texts]
+    assert len(prompts[2]) > 600  # the window (512) wraps during the prefill
+    refs = []
+    for ids in prompts:
+        steps = generate_step(mx.array(ids), gemma_pair.target.model, max_tokens=24)
+        refs.append([int(t) for (t, _), _ in zip(steps, range(24))])
+    for config in (SpeculationConfig(block_size=4, draft_free=True),
+                   SpeculationConfig(block_size=1)):
+        outs = {i: [] for i in range(len(prompts))}
+        for ev in batch_generate(gemma_pair, prompts, config, max_tokens=24):
+            outs[ev.index] += ev.tokens
+        for i, ref in enumerate(refs):
+            assert outs[i] == ref[: len(outs[i])]
+            assert len(outs[i]) == 24 or outs[i][-1] in tok.eos_token_ids

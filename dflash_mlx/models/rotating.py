@@ -65,6 +65,12 @@ class WindowTarget(Target):
 
     def __call__(self, ids: mx.array, cache: list, taps: bool = True):
         if not isinstance(cache, WindowCache):
+            # a batch's rows roll back by moving their ends (`speculate/batch_window.py`);
+            # its window rows drop what no query reads again before the pass builds masks
+            if all(hasattr(c, "set_lengths") for c in cache):
+                for c in cache:
+                    getattr(c, "prepare", lambda n: None)(ids.shape[1])
+                return super().__call__(ids, cache, taps)
             raise RollbackError("a sliding-window target needs its own cache: use make_cache()")
         cache.record, cache.complete = self._record(cache), False
         cache.base, cache.width = cache.length, ids.shape[1]
@@ -72,6 +78,12 @@ class WindowTarget(Target):
         out = super().__call__(ids, cache, taps)
         cache.complete = True
         return out
+
+    def refill(self, cache: WindowCache, layers: list, length: int) -> None:
+        """`cache` now holds `layers`, `length` tokens in all; no earlier state is kept."""
+        cache[:] = layers
+        cache.length = cache.base = length
+        cache.record, cache.complete, cache.saved = None, False, None
 
     # -- lengths, rollback, rewinds --
     @staticmethod

@@ -199,3 +199,9 @@ class Target:
             extra = c.offset - length
             if extra > 0:
                 c.trim(extra)
+
+    def refill(self, cache: list, layers: list, length: int) -> None:
+        """`cache` now holds `layers`, `length` tokens in all (a batch's row written back)."""
+        cache[:] = layers
+        if isinstance(cache, _CountedCache):
+            cache.length = length

@@ -48,12 +48,13 @@ class _Rows:
     def state(self):
         return () if self.keys is None else (self.keys, self.values)
 
-    def _reserve(self, n: int, like_k: mx.array, like_v: mx.array):
-        """Room for `n` entries after every row's end; rows before the common left edge go."""
+    def _reserve(self, n: int, like_k: mx.array, like_v: mx.array, cut: bool | None = None):
+        """Room for `n` entries after every row's end; rows before the common left edge go
+        (when `cut`, by default `cut_on_growth`)."""
         need = max(self.end) + n
         if self.keys is not None and need <= self.keys.shape[2]:
             return
-        cut = min(self.left) if self.cut_on_growth else 0
+        cut = min(self.left) if (self.cut_on_growth if cut is None else cut) else 0
         want = need - cut + max(self.step, (need - cut) // 8)
         cap = (want + self.step - 1) // self.step * self.step
         B, H, _, dk = like_k.shape

@@ -97,7 +97,8 @@ def _fresh_rows(target, tokens):
 
 def check_caches(pair):
     """After a round: each row's target cache is a fresh prefill of its tokens but the last
-    (all of them while a plain round launched ahead is running: it wrote the last one), and
+    (all of them while a plain round launched ahead is running: it wrote the last one; a
+    sliding-window row at least the window's last entries of it), and
     its draft cache plus its pending taps cover its tokens but the last."""
 
     def check(batch):
@@ -112,6 +113,10 @@ def check_caches(pair):
                 assert batch.draft_cache[0].pos[b] + pending == len(committed) - 1
             for c, (k, v) in zip(batch.target_cache, _fresh_rows(pair.target, tokens)):
                 got_k, got_v = c.rows(b)
+                held = got_k.shape[2]  # a window row may hold only its last entries
+                if getattr(c, "window", None):
+                    assert held >= min(len(tokens), c.window)
+                k, v = k[..., len(tokens) - held:, :], v[..., len(tokens) - held:, :]
                 scale = float(mx.abs(k).max()) + 1e-6
                 assert float(mx.abs(got_k - k).max()) / scale < 1e-4
                 assert float(mx.abs(got_v - v).max()) / (float(mx.abs(v).max()) + 1e-6) < 1e-4
