@@ -345,3 +345,34 @@ def test_sliding_window_rows_hold_about_a_window(pairs):
         assert outs[i] == reference(pair.target.model, p, 150)
     history = max(len(p) + len(outs[i]) for i, p in enumerate(prompts))
     assert dropped > 0 and widest < history  # a whole history would not fit
+
+
+def test_aligned_rows_take_a_single_sequences_mask():
+    """One token of rows that start together and end together needs no mask (as a single
+    sequence's step); any padding, raggedness or a reachable window brings the per-row mask
+    back."""
+    from dflash_mlx.speculate.batch_cache import RaggedKVCache
+    from dflash_mlx.speculate.batch_window import RaggedWindowCache
+    from mlx_lm.models.cache import KVCache
+
+    def filled(cache, lengths):
+        rows = []
+        for n in lengths:
+            c = KVCache()
+            c.update_and_fetch(mx.zeros((1, 1, n, 4)), mx.zeros((1, 1, n, 4)))
+            rows.append(c)
+        cache.add(*rows)
+        return cache
+
+    same = filled(RaggedKVCache(), [6, 6])
+    assert same.make_mask(1) is None and same.make_mask(3).shape == (2, 1, 3, 9)
+    assert same.make_mask(1, return_array=True).shape == (2, 1, 1, 7)
+    ragged = filled(RaggedKVCache(), [6, 4])
+    assert ragged.make_mask(1).shape == (2, 1, 1, 7)
+    same.set_lengths([6, 5])  # one row rolled back
+    assert not isinstance(same.make_mask(1), (str, type(None)))
+    window = filled(RaggedWindowCache(8), [7])
+    assert window.make_mask(1) is None  # the 8th token sees all 8
+    window = filled(RaggedWindowCache(8), [8])
+    mask = window.make_mask(1)  # the 9th does not see the 1st
+    assert mask.shape == (1, 1, 1, 9) and not mask[0, 0, 0, 0].item() and mask[0, 0, 0, 1].item()

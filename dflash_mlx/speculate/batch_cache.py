@@ -177,10 +177,17 @@ class RaggedKVCache(_Rows):
         top = max(self.end)
         return self.keys[..., :top, :], self.values[..., :top, :]
 
+    def aligned(self) -> bool:
+        """Every row starts at column 0 and ends at the same column (one sequence, or rows of
+        one length): the mask is a single sequence's."""
+        return not any(self.left) and len(set(self.end)) == 1
+
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
         """(B, 1, N, S): query t of row b sees its own entries up to itself."""
         if window_size is not None:
             raise ValueError("RaggedKVCache has no sliding window")
+        if N == 1 and self.aligned() and not return_array:  # one token sees every entry
+            return None  # as mlx-lm's KVCache step: no mask to build or apply
         S = max(self.end) + N
         j = mx.arange(S)[None, None, None, :]
         left = mx.array(self.left)[:, None, None, None]

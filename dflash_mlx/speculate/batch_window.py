@@ -63,6 +63,8 @@ class RaggedWindowCache(RaggedKVCache):
         """(B, 1, N, S): query t of row b sees its own entries up to itself, fewer than the
         window back."""
         window = min(window_size or self.window, self.window)
+        if N == 1 and self.aligned() and not return_array and self.end[0] < window:
+            return None  # one token sees every entry: none is a window back yet
         S = max(self.end) + N
         j = mx.arange(S)[None, None, None, :]
         left = mx.array(self.left)[:, None, None, None]
