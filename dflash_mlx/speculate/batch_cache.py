@@ -188,11 +188,16 @@ class RaggedKVCache(_Rows):
             raise ValueError("RaggedKVCache has no sliding window")
         if N == 1 and self.aligned() and not return_array:  # one token sees every entry
             return None  # as mlx-lm's KVCache step: no mask to build or apply
+        return self._rows_mask(N)
+
+    def _rows_mask(self, N: int, window: int | None = None) -> mx.array:
+        """Query t of row b sees its row's entries up to itself (fewer than `window` back)."""
         S = max(self.end) + N
         j = mx.arange(S)[None, None, None, :]
         left = mx.array(self.left)[:, None, None, None]
         upto = (mx.array(self.end)[:, None] + mx.arange(N)[None])[:, None, :, None]
-        return (j >= left) & (j <= upto)
+        mask = (j >= left) & (j <= upto)
+        return mask if window is None else mask & (upto - j < window)
 
     def set_lengths(self, lengths: list[int]):
         """Row b keeps its first `lengths[b]` tokens (rollback: the rest is masked, then

@@ -54,9 +54,9 @@ class RaggedWindowCache(RaggedKVCache):
         return mx.array(self.lengths())
 
     def set_lengths(self, lengths: list[int]):
-        for b, (n, d) in enumerate(zip(lengths, self.dropped)):
-            if not d <= n <= self.lengths()[b]:
-                raise ValueError(f"row {b} holds tokens {d}..{self.lengths()[b]}, not {n}")
+        for b, (n, d, held) in enumerate(zip(lengths, self.dropped, self.lengths())):
+            if not d <= n <= held:
+                raise ValueError(f"row {b} holds tokens {d}..{held}, not {n}")
         self.end = [l + n - d for l, n, d in zip(self.left, lengths, self.dropped)]
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
@@ -65,11 +65,7 @@ class RaggedWindowCache(RaggedKVCache):
         window = min(window_size or self.window, self.window)
         if N == 1 and self.aligned() and not return_array and self.end[0] < window:
             return None  # one token sees every entry: none is a window back yet
-        S = max(self.end) + N
-        j = mx.arange(S)[None, None, None, :]
-        left = mx.array(self.left)[:, None, None, None]
-        upto = (mx.array(self.end)[:, None] + mx.arange(N)[None])[:, None, :, None]
-        return (j >= left) & (j <= upto) & (upto - j < window)
+        return self._rows_mask(N, window)
 
     def prepare(self, n: int):
         """Before a pass of `n` tokens that would grow the buffer: all but each row's last
