@@ -9,10 +9,11 @@ yield for it (`BatchEvent` is a `BlockEvent` plus the sequence's index), and its
 exactly the target's: greedy output equals its own single-sequence run, sampling follows the
 target's distribution.
 
-Targets whose caches are plain KV and sliding-window (rotating) caches run batched (a window
-is the mask's in a batch: `speculate/batch_window.py`). GatedDeltaNet targets keep one cache
-per sequence (their exact rollbacks are per sequence) and run their sequences one after
-another inside each step: same API, same events, no batching; `Batch.serial` says why. While
+Targets whose caches are plain KV, sliding-window (rotating) and GatedDeltaNet (recurrent)
+caches run batched (a window is the mask's in a batch: `speculate/batch_window.py`; a
+recurrent layer replays each row's accepted steps: `speculate/batch_state.py`). Any other
+cache runs its sequences one after another inside each step: same API, same events, no
+batching; `Batch.serial` says why. While
 every row decodes plainly, each round is launched before the previous one is read
 (`speculate/batch_plain.py`). Structured output (a grammar per sequence) masks each row's
 verify rows as a single sequence's round does. Draft trees are refused here for now.
@@ -42,8 +43,9 @@ from .generate import (
     prefill,
 )
 from .inputs import encode_prompt
+from .models.hybrid import HybridTarget
 from .speculate import SamplingParams, SpeculationConfig, guards
-from .speculate.batch_cache import filter_rows, set_lengths
+from .speculate.batch_cache import filter_rows, row_lengths, set_lengths
 from .speculate.batch_window import ragged_caches
 from .speculate.batch_plain import Ahead, can_go_ahead, commit, launch, next_tokens
 from .speculate.batch_draft import make_draft_caches
@@ -67,8 +69,10 @@ def serial_reason(pair) -> str | None:
     kinds = set(pair.target.cache_types)
     if kinds <= {KVCache, RotatingKVCache}:
         return None  # sliding windows are the mask's in a batch (`batch_window.py`)
+    if kinds == {KVCache, ArraysCache} and isinstance(pair.target, HybridTarget):
+        return None  # each row replays its accepted steps (`batch_state.py`)
     if ArraysCache in kinds:
-        return ("GatedDeltaNet (recurrent) caches roll back per sequence; "
+        return ("these recurrent caches roll back per sequence; "
                 "its sequences run one after another")
     names = ", ".join(sorted(k.__name__ for k in kinds - {KVCache}))
     return f"{names} caches are not batched; its sequences run one after another"
@@ -93,6 +97,7 @@ class _Seq:
     fixed: bool = False  # seeded sampling: its widths must not depend on the load
     note: str | None = None
     limit_note: str | None = None  # said when it stops at the model's context
+    saved: tuple | None = None  # batched recurrent target: its prompt's end, to rewind to
 
 
 class Batch:
@@ -213,9 +218,13 @@ class Batch:
     def _join(self, seqs: list[_Seq], sessions: list[Session], target_rows=None):
         """Prefilled sessions' rows into the batch's caches (`join_rows`); the sessions let
         go of theirs."""
-        for seq, (tokens, pending) in zip(seqs, join_rows(
-                self.pair, self.target_cache, self.draft_cache, sessions, target_rows)):
+        keep = getattr(self.pair.target, "rows_checkpoint", None)
+        first = len(self._seqs)  # their rows follow the running ones'
+        for b, (seq, (tokens, pending)) in enumerate(zip(seqs, join_rows(
+                self.pair, self.target_cache, self.draft_cache, sessions, target_rows))):
             seq.row = Row(tokens, pending, seq.req)
+            if keep is not None:  # the prompt's end: where a later turn can rewind to
+                seq.saved = (len(tokens) - 1, keep(self.target_cache, first + b))
 
     def cancel(self, index: int) -> bool:
         """Drop a sequence between steps (False: it is not running); the others go on exactly."""
@@ -233,7 +242,7 @@ class Batch:
         keep = [i for i in range(len(self._seqs)) if i not in rows]
         if self.target_cache is not None and rows:
             # a leaving row keeps what it committed (a launched round may have written more)
-            lengths = self.target_cache[0].lengths()
+            lengths = row_lengths(self.target_cache)
             for i in rows:
                 lengths[i] = len(self._seqs[i].row.tokens) - 1
             set_lengths(self.target_cache, lengths)
@@ -256,7 +265,7 @@ class Batch:
         would leave them (a server's next turn of that conversation reuses the reply)."""
         home, s.home = s.home, None
         self.pair.target.refill(home.target_cache, [c.export(b) for c in self.target_cache],
-                                len(s.row.tokens) - 1)
+                                len(s.row.tokens) - 1, s.saved)
         if self.draft_cache is not None and home.draft_cache is not None:
             home.draft_cache[:] = [c.export(b) for c in self.draft_cache]
         home.tokens, home.pending = list(s.row.tokens), s.row.pending

@@ -20,7 +20,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from .generate import Session, _feed_draft, prefill_step
-from .speculate.batch_cache import set_lengths
+from .speculate.batch_cache import row_lengths, set_lengths
 from .speculate.batch_window import ragged_caches
 
 MIN_CHUNK = 32  # columns per row and pass, however many rows
@@ -62,7 +62,10 @@ def prefill_together(pair, sessions: list[Session], prompts: list[list[int]]) ->
             chunks = [b[start: start + step] for b in bodies]
             width = max(map(len, chunks))
             ids = [c + [(c or b or [0])[-1]] * (width - len(c)) for c, b in zip(chunks, bodies)]
-            before = caches[0].lengths()
+            before = row_lengths(caches)
+            valid = [len(c) for c in chunks]
+            for c in caches:  # a recurrent layer masks the padding (mlx-lm's batch lengths)
+                c.expect(valid if width > min(valid) else None)
             _, taps = pair.target(mx.array(ids), caches, taps=use_draft)
             set_lengths(caches, [n + len(c) for n, c in zip(before, chunks)])
             states = [c.state for c in caches]

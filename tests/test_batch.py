@@ -4,8 +4,9 @@ Greedy: each sequence's output equals its own `stream_generate` run and mlx-lm's
 decoding, with prompts of different lengths, ragged acceptance (an oracle draft that is wrong at
 a different rate per sequence), a sequence joining mid-way, one cancelled mid-batch, per-row
 logits processors, block size 1, on sliding-window targets (batched: the window is the mask's)
-and hybrid targets (served one sequence after another). After every round each sequence's
-cache rows equal a fresh prefill of its tokens. A batch that rolls every row back by the same amount (what one write index for all
+and hybrid GatedDeltaNet targets (batched: each row replays the steps it accepted). After every
+round each sequence's cache rows equal a fresh prefill of its tokens (a recurrent layer's row:
+its conv and recurrent state). A batch that rolls every row back by the same amount (what one write index for all
 rows would do) must fail the same check.
 
 Sampling: the first token of each sequence of a batch follows the target's distribution
@@ -27,6 +28,8 @@ from dflash_mlx.errors import InvalidArgumentError
 from dflash_mlx.models.dflash import DFlashDraftModel
 from dflash_mlx.speculate import SamplingParams, SpeculationConfig
 from dflash_mlx.speculate import batch_round as batch_round_module
+from dflash_mlx.speculate.batch_cache import row_lengths, set_lengths
+from dflash_mlx.speculate.batch_state import RaggedStateCache
 from dflash_mlx.speculate.processors import Processing
 from dflash_mlx.speculate.sampling import rejection_sample_device
 from support.batch_run import (check_caches, dirs, drive, pairs, prompts_for,  # noqa: F401
@@ -59,18 +62,20 @@ class FixedRowsDraft(DFlashDraftModel):
 CASES = [(s, b) for s in range(4) for b in (3, 5, 8)]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3", "hybrid"])
 @pytest.mark.parametrize("case", slow_after(CASES, keep=2, ids=[f"s{s}-b{b}" for s, b in CASES]))
 def test_greedy_batch_equals_each_sequence_alone(pairs, family, case):
     """Ragged prompts and ragged acceptance (oracle error rates 0 .. 0.9 per row); gemma3's
-    sliding-window layers (a window of 8) wrap many times."""
+    sliding-window layers (a window of 8) wrap many times; the hybrid's recurrent rows go back
+    to different steps of one pass."""
     seed, block = case
     pair = pairs[family]
     prompts = prompts_for(seed, 5)
     config = SpeculationConfig(block_size=block, lookup=False)
     ragged = []
     outs = drive(pair, prompts, config, 40, p_wrong=[0.0, 0.2, 0.5, 0.9, 0.35], seed=seed,
-                 ragged=ragged, check=check_caches(pair) if family == "gemma3" else None)
+                 ragged=ragged,
+                 check=check_caches(pair) if family in ("gemma3", "hybrid") else None)
     assert sum(ragged) >= 5  # rows accepted different counts in one pass, many times
     for i, p in enumerate(prompts):
         ref = reference(pair.target.model, p, 40)
@@ -102,19 +107,20 @@ def test_block_size_1_is_batched_plain_decoding(pairs):
         assert outs[i] == reference(pair.target.model, p, 24)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "hybrid"])
 def test_join_midway_and_cancel_keep_the_others_exact(pairs, family):
-    """A long prompt joins after 2 rounds (every row shifts right), sequence 1 is cancelled
+    """A long prompt joins after 2 rounds (every row shifts right), a sequence is cancelled
     after 4; the rest match mlx-lm and every cache is a fresh prefill after every round."""
     pair = pairs[family]
     prompts = prompts_for(21, 3)
     late = prompts_for(22, 1)[0] + list(range(60, 110))  # longer than any running row
     config = SpeculationConfig(block_size=5, lookup=False)
+    victim = 2 if family == "hybrid" else 1  # the hybrid's sequence 1 stops at once
     outs = drive(pair, prompts, config, 30, p_wrong=[0.1, 0.4, 0.7, 0.2], join=(2, late),
-                 cancel=(4, 1), check=check_caches(pair))
+                 cancel=(4, victim), check=check_caches(pair))
     for i, p in enumerate(prompts + [late]):
         ref = reference(pair.target.model, p, 30)
-        if i == 1:
+        if i == victim:
             assert 0 < len(outs[i]) < len(ref) and outs[i] == ref[: len(outs[i])]
         else:
             assert outs[i] == ref, f"sequence {i} differs"
@@ -139,14 +145,14 @@ def test_rows_grow_after_the_longest_left(pairs):
     assert out == reference(pair.target.model, short, 90)
 
 
-SCHEDULES = list(range(6))
+SCHEDULES = list(range(8))
 
 
 @pytest.mark.parametrize("seed", slow_after(SCHEDULES, keep=2))
 def test_random_joins_and_cancels(pairs, seed):
     """Sequences join and leave at random round boundaries; whoever runs to the end matches
     mlx-lm, whoever is cancelled has a prefix of it, and the caches stay fresh prefills."""
-    pair = pairs[("qwen3", "gemma3", "llama")[seed % 3]]
+    pair = pairs[("qwen3", "gemma3", "llama", "hybrid")[seed % 4]]
     rng = random.Random(seed)
     config = SpeculationConfig(block_size=rng.choice([3, 5, 8]), lookup=False)
     prompts = prompts_for(100 + seed, 7)
@@ -233,14 +239,36 @@ def test_sliding_window_targets_are_batched(pairs):
     assert Batch(pairs["gemma3"]).serial is None
 
 
-def test_hybrid_targets_run_one_after_another(pairs):
+def test_hybrid_targets_are_batched(pairs):
+    assert serial_reason(pairs["hybrid"]) is None
+    assert Batch(pairs["hybrid"]).serial is None
+
+
+def test_a_recurrent_row_goes_back_only_within_the_last_pass(pairs):
+    """A GatedDeltaNet row can return to any step of the last pass (its inputs are kept) and
+    then holds a fresh prefill's state; before that pass, or past what it holds, is refused,
+    not guessed."""
     pair = pairs["hybrid"]
-    assert serial_reason(pair)  # said, not hidden
-    prompts = prompts_for(13, 3)
-    config = SpeculationConfig(block_size=5, lookup=False)
-    outs = drive(pair, prompts, config, 32, p_wrong=[0.0, 0.5, 0.8], cancel=(3, 2))
-    for i, p in enumerate(prompts[:2]):
-        assert outs[i] == reference(pair.target.model, p, 32) == single(pair, p, config, 32)
+    pair.draft.plan = None
+    prompts = prompts_for(71, 2)
+    batch = Batch(pair, SpeculationConfig(block_size=5, lookup=False, adaptive=False))
+    for p in prompts:
+        batch.add(p, max_tokens=30)
+    batch.step()
+    batch.step()
+    state = next(c for c in batch.target_cache if isinstance(c, RaggedStateCache))
+    held = row_lengths(batch.target_cache)
+    with pytest.raises(ValueError, match="holds tokens"):
+        state.set_lengths([state.base[0] - 1, held[1]])
+    with pytest.raises(ValueError, match="holds tokens"):
+        state.set_lengths([held[0] + 1, held[1]])
+    set_lengths(batch.target_cache, [state.base[0], held[1]])  # row 0: none of the last pass
+    fresh = pair.target.make_cache()
+    pair.target(mx.array([batch.tokens(batch.rows[0])[: state.base[0]]]), fresh, taps=False)
+    for c, want in zip(batch.target_cache, fresh):
+        if isinstance(c, RaggedStateCache):
+            for got, ref in ((c[0][:1], want[0]), (c[1][:1], want[1])):
+                assert float(mx.abs(got - ref).max()) <= 1e-4 * float(mx.abs(ref).max())
 
 
 def test_trees_are_refused(pairs):

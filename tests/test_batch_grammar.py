@@ -18,7 +18,7 @@ from support.grammar_ref import SCHEMAS
 from support.grammar_ref import reference as constrained_reference
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3", "hybrid"])
 def test_grammar_rows_beside_free_rows(pairs, family):  # noqa: F811
     pair = pairs[family]
     prompts = prompts_for(31, 3)

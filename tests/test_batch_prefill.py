@@ -1,16 +1,19 @@
 """Prompts prefilled together (`batch_prefill.prefill_together`) leave each session exactly as
 its own `generate.prefill` does: the target's cache rows, the draft's context (with and
 without a draft window, whose rows before the window are skipped) and the pending taps, over
-several chunks and ragged lengths (a one-token prompt too); and a batch of fresh prompts,
-prefilled together, decodes what each decodes alone."""
+several chunks and ragged lengths (a one-token prompt too), a recurrent (GatedDeltaNet)
+layer's states too; and a batch of fresh prompts, prefilled together, decodes what each
+decodes alone."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import ArraysCache
 
 from dflash_mlx import Session, batch_prefill, generate, stream_generate, tiny
 from dflash_mlx.batch import batch_generate
+from dflash_mlx.models import hybrid
 from dflash_mlx.models.dflash import DFlashDraftModel
 from dflash_mlx.speculate import SpeculationConfig
 from support.engine import float32_pair
@@ -86,3 +89,32 @@ def test_groups_keep_padding_within_a_quarter_or_the_slack():
     # long prompts: a quarter of their tokens (padding 200 <= 450, then 500 <= 625; not 4000)
     assert batch_prefill.groups([1000, 800, 700], slack=0) == [[0, 1, 2]]
     assert batch_prefill.groups([4000, 1000], slack=0) == [[0], [1]]
+
+
+def test_recurrent_rows_prefilled_together_equal_alone(tmp_path, monkeypatch):
+    """A hybrid (GatedDeltaNet) target's prompts of different lengths in passes too long to
+    replay (over `REPLAY_MAX` columns): the padding is masked in the pass, so each row's conv
+    and recurrent state is its own prefill's; then they decode what each decodes alone."""
+    pair = float32_pair(tiny.make_hybrid_target(tmp_path / "h"),
+                        tiny.make_draft(tmp_path / "d", tiny.draft_config(block_size=8)),
+                        DFlashDraftModel)
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(n)] for i, n in enumerate((150, 121, 97))]
+    monkeypatch.setattr(batch_prefill, "prefill_step", lambda: 600)  # 200 columns a row
+    config = SpeculationConfig(block_size=5, lookup=False)
+    together = [Session.new(pair, config) for _ in prompts]
+    rows = batch_prefill.prefill_together(pair, together, prompts)
+    assert max(map(len, prompts)) > hybrid.REPLAY_MAX
+    for i, p in enumerate(prompts):
+        alone = Session.new(pair, config)
+        generate.prefill(pair, alone, p)
+        states = [(c.export(i), b) for c, b in zip(rows, alone.target_cache)
+                  if isinstance(b, ArraysCache)]
+        assert states
+        for a, b in states:
+            assert _close(a[0], b[0]) and _close(a[1], b[1])
+    outs = {i: [] for i in range(len(prompts))}
+    for ev in batch_generate(pair, prompts, config, max_tokens=16):
+        outs[ev.index] += ev.tokens
+    for i, p in enumerate(prompts):
+        alone = [t for e in stream_generate(pair, p, config, max_tokens=16) for t in e.tokens]
+        assert outs[i] == alone, f"sequence {i}"

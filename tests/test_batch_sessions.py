@@ -2,7 +2,8 @@
 its target cache rows are a fresh prefill of its tokens, its draft context plus pending taps
 cover the same positions, and the next turn in that session decodes exactly what a fresh
 session does (the server's prompt cache reuses batched replies this way); sliding-window
-sessions too, joining from wrapped windows and going back to them."""
+sessions too, joining from wrapped windows and going back to them, and hybrid (GatedDeltaNet)
+sessions, which keep their prompt's end to rewind to."""
 
 from __future__ import annotations
 
@@ -117,3 +118,41 @@ def test_wrapped_sliding_windows_join_and_go_back(window_pair):
         events = list(stream_generate(pair, turn, config, session=s, max_tokens=10))
         assert _tokens(events) == _tokens(stream_generate(pair, turn, config, max_tokens=10))
         assert events[0].reused_tokens == len(p + outs[i]) - 1
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch-hybrid-sessions")
+    return float32_pair(tiny.make_hybrid_target(root / "h"),
+                        tiny.make_draft(root / "d", tiny.draft_config(block_size=8)),
+                        DFlashDraftModel)
+
+
+def test_recurrent_sessions_join_and_go_back(hybrid_pair):
+    """Hybrid (GatedDeltaNet) sessions, one with a first turn of its own and two fresh, decode
+    together and leave: each answer is its own run's and mlx-lm's; a next turn that extends
+    the reply reuses all of it, one that changes the reply (session 1) rewinds to the prompt's
+    end (the checkpoint a single run keeps), and both decode what a fresh session does."""
+    pair = hybrid_pair
+    config = SpeculationConfig(block_size=5, lookup=False, adaptive=False)
+    first = Session.new(pair, config)
+    list(stream_generate(pair, [3, 14, 15, 92, 6], config, session=first, max_tokens=5))
+    sessions = [first, Session.new(pair, config), Session.new(pair, config)]
+    prompts = [first.tokens + [20, 21], [7] * 12 + [40, 41], list(range(60, 90))]
+    batch = Batch(pair, config)
+    assert batch.serial is None
+    outs = {batch.add(p, max_tokens=12, session=s): [] for p, s in zip(prompts, sessions)}
+    check = check_caches(pair)
+    while batch.running:
+        for ev in batch.step():
+            outs[ev.index] += ev.tokens
+        check(batch)
+    for i, (p, s) in enumerate(zip(prompts, sessions)):
+        assert outs[i] == _tokens(stream_generate(pair, p, config, max_tokens=12))
+        assert outs[i] == mlx_lm_greedy(pair.target.model, p, len(outs[i]))
+        assert s.tokens == p + outs[i]
+        turn, reused = ((s.tokens + [3, 4, 5], len(s.tokens) - 1) if i % 2 == 0 else
+                        (p + [9, 8, 7], len(p) - 1))
+        events = list(stream_generate(pair, turn, config, session=s, max_tokens=8))
+        assert _tokens(events) == _tokens(stream_generate(pair, turn, config, max_tokens=8))
+        assert events[0].reused_tokens == reused

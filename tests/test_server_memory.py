@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import asyncio
 
+import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import ArraysCache, KVCache
 
 from dflash_mlx import load, stream_generate
+from dflash_mlx.models.dflash import DFlashDraftModel
 from dflash_mlx.server.batch_worker import BatchWorker
 from dflash_mlx.server.memory import MAX_BATCH, RequestMemory
 from dflash_mlx.server.worker import Done, Failed, Job, Worker
 from dflash_mlx.speculate import SamplingParams, SpeculationConfig
+from support.engine import float32_pair
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +123,23 @@ def test_the_default_width_comes_from_memory(pair, monkeypatch):
     monkeypatch.setattr(memory, "memory_limit_bytes", lambda: 10**15)
     w = serve._worker(pair, config, 4, None, cache_slots=2, cache_bytes=cache)
     assert w.max_batch == MAX_BATCH
+
+
+def test_a_hybrid_request_counts_its_attention_layers_and_its_states(tmp_path):
+    """A GatedDeltaNet layer holds no K/V per token but a state per sequence: a hybrid's
+    request needs its attention layers' K/V and its states (a row and its checkpoint), as its
+    caches hold them after a prefill."""
+    from dflash_mlx import tiny as models
+    from dflash_mlx.server import memory
+
+    pair = float32_pair(models.make_hybrid_target(tmp_path / "h"),
+                        models.make_draft(tmp_path / "d", models.draft_config(block_size=8)),
+                        DFlashDraftModel)
+    cache = pair.target.make_cache()
+    pair.target(mx.array([list(range(3, 43))]), cache, taps=False)
+    kv = sum(c.keys[..., :40, :].nbytes + c.values[..., :40, :].nbytes
+             for c in cache if isinstance(c, KVCache))
+    states = sum(a.nbytes for c in cache if isinstance(c, ArraysCache) for a in c.state[0])
+    assert memory.kv_bytes_per_token(pair) * 40 == kv
+    assert memory.state_bytes_per_sequence(pair) == 2 * states
+    assert RequestMemory.of(pair, 10**9).need(40) == kv + 2 * states

@@ -183,7 +183,7 @@ def test_any_choice_of_width_decodes_greedy_exactly(pairs, family, monkeypatch):
         assert pair.target.cache_length(session.target_cache) == len(session.tokens) - 1
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3", "hybrid"])
 def test_any_choice_in_a_batch_with_joins_and_cancels(pairs, family, monkeypatch):
     monkeypatch.setattr(batch_module, "WidthControl", Coin)
     pair = pairs[family][1]

@@ -17,7 +17,8 @@ steps then:
 - trims every attention KV cache to the same length.
 
 Long calls (prefill chunks) keep only the state before the call, which is enough to undo an
-interrupted chunk. Rewinding further back (multi-turn reuse) is possible only to a
+interrupted chunk. A batch's pass (ragged caches, `speculate/batch_state.py`) keeps the same
+inputs in each layer's batch cache, whose rows then replay to their own accepted steps. Rewinding further back (multi-turn reuse) is possible only to a
 checkpoint taken at the end of each prefill (`checkpoint`), or to the empty cache:
 `rewind_point` tells the decode loop which length it can have.
 """
@@ -48,8 +49,18 @@ class _Capture:
     conv0: mx.array | None  # conv state before the call (None = fresh, zeros)
     state0: mx.array | None  # recurrent state before the call (None = fresh, zeros)
     width: int
+    gdn: object = None  # the layer (its gates' parameters replay the steps)
+    rows: int = 1
     conv_input: mx.array | None = None  # (B, K−1+S, conv_dim)
     steps: tuple | None = None  # (q, k, v, a, b, mask): the gated_delta_update inputs
+
+    def select(self, rows: list[int]) -> "_Capture":
+        """Only these rows of a batch's pass (the others left)."""
+        idx = mx.array(rows, mx.int32)
+        pick = lambda a: None if a is None else a[idx]  # noqa: E731
+        steps = None if self.steps is None else tuple(pick(a) for a in self.steps)
+        return _Capture(self.cache, pick(self.conv0), pick(self.state0), self.width, self.gdn,
+                        len(rows), pick(self.conv_input), steps)
 
     def restore(self, n: int, gdn) -> None:
         """Leave `cache` as it was after the first `n` steps of the call."""
@@ -89,10 +100,14 @@ class _CapturingGDN:
         B, S, _ = inputs.shape
         if cache is None:
             return m(inputs, mask, cache)
-        if cache.lengths is not None or m.sharding_group is not None:
-            raise RollbackError("batched or sharded GatedDeltaNet calls are not supported")
-        cap = _Capture(cache, cache[0], cache[1], S)
+        alone = isinstance(cache, ArraysCache)  # else a batch's `RaggedStateCache`
+        if (alone and cache.lengths is not None) or m.sharding_group is not None:
+            raise RollbackError("mlx-lm batched or sharded GatedDeltaNet calls are not "
+                                "supported")
+        cap = _Capture(cache, cache[0], cache[1], S, m, B)
         self._store.append(cap)
+        if not alone:
+            cache.took(cap, S)
 
         qkv = m.in_proj_qkv(inputs)
         z = m.in_proj_z(inputs).reshape(B, S, m.num_v_heads, m.head_v_dim)
@@ -104,7 +119,13 @@ class _CapturingGDN:
         if mask is not None:
             qkv = mx.where(mask[..., None], qkv, 0)
         conv_input = mx.concatenate([conv_state, qkv], axis=1)
-        cache[0] = mx.contiguous(conv_input[:, -(m.conv_kernel_size - 1):, :])
+        keep = m.conv_kernel_size - 1
+        ends = None if alone else cache.valid  # a batch's rows' real tokens, if padded
+        if ends is None:
+            cache[0] = mx.contiguous(conv_input[:, -keep:, :])
+        else:  # each row's conv state ends at its own last token, as mlx-lm's batches do
+            at = (mx.array(ends)[:, None] + mx.arange(keep))[..., None]
+            cache[0] = mx.take_along_axis(conv_input, at, axis=1)
         conv_out = nn.silu(m.conv1d(conv_input))
         q, k, v = [
             t.reshape(B, S, h, d)
@@ -181,6 +202,8 @@ class HybridTarget(Target):
 
     def __call__(self, ids: mx.array, cache: list, taps: bool = True):
         if not isinstance(cache, HybridCache):
+            if any(hasattr(c, "set_lengths") for c in cache):  # a batch's ragged caches
+                return self._rows_call(ids, cache, taps)
             raise RollbackError("a hybrid target needs its own cache: use target.make_cache()")
         store: list[_Capture] = []
         cache.base, cache.captures, cache.complete = cache.length, store, False
@@ -190,6 +213,15 @@ class HybridTarget(Target):
         cache.complete = True
         self._check(cache)
         return out
+
+    def _rows_call(self, ids: mx.array, cache: list, taps: bool):
+        """A batch's pass: each GatedDeltaNet layer's rows keep its inputs, so they can go
+        back to the steps each accepts (`speculate/batch_state.py`)."""
+        base = next(c for c in cache if hasattr(c, "lengths")).lengths()
+        for i, _ in self.gdn_layers:
+            cache[i].begin(base)
+        with self._capture([], full=ids.shape[1] <= REPLAY_MAX):
+            return super().__call__(ids, cache, taps)
 
     def _check(self, cache: HybridCache) -> None:
         """Invariants: one capture per recurrent layer, each for its own cache, shapes intact."""
@@ -210,6 +242,22 @@ class HybridTarget(Target):
     @staticmethod
     def cache_length(cache: list) -> int:
         return cache.length
+
+    def refill(self, cache: HybridCache, layers: list, length: int,
+               saved: tuple | None = None) -> None:
+        """`cache` now holds `layers`, `length` tokens in all (a batch's row written back);
+        `saved`: a checkpoint (length, GatedDeltaNet states) to rewind to later."""
+        cache[:] = layers
+        cache.length = cache.base = length
+        cache.captures, cache.complete, cache.saved = None, False, saved
+
+    def rows_checkpoint(self, caches: list, b: int) -> tuple:
+        """Row b's GatedDeltaNet states now, as `checkpoint` keeps them (copies, made now:
+        a slice would keep the whole batch's states alive)."""
+        row = lambda a: None if a is None else mx.contiguous(a[b: b + 1])  # noqa: E731
+        states = [(row(caches[i][0]), row(caches[i][1])) for i, _ in self.gdn_layers]
+        mx.eval(states)
+        return states
 
     def checkpoint(self, cache: HybridCache) -> None:
         """Remember the current GatedDeltaNet states so a later rewind can come back here."""

@@ -79,7 +79,7 @@ class WindowTarget(Target):
         cache.complete = True
         return out
 
-    def refill(self, cache: WindowCache, layers: list, length: int) -> None:
+    def refill(self, cache: WindowCache, layers: list, length: int, saved=None) -> None:
         """`cache` now holds `layers`, `length` tokens in all; no earlier state is kept."""
         cache[:] = layers
         cache.length = cache.base = length

@@ -200,8 +200,9 @@ class Target:
             if extra > 0:
                 c.trim(extra)
 
-    def refill(self, cache: list, layers: list, length: int) -> None:
-        """`cache` now holds `layers`, `length` tokens in all (a batch's row written back)."""
+    def refill(self, cache: list, layers: list, length: int, saved=None) -> None:
+        """`cache` now holds `layers`, `length` tokens in all (a batch's row written back;
+        `saved`: a checkpoint, for targets that keep them)."""
         cache[:] = layers
         if isinstance(cache, _CountedCache):
             cache.length = length

@@ -3,7 +3,8 @@ refused or held back before they join.
 
 Beside the weights, a running request holds its target K/V cache, `kv_bytes_per_token` for
 each token of its prompt and its `max_tokens` (the draft's context cache is a few layers, far
-less). `RequestMemory` counts that for every request from this process's memory limit
+less), and a hybrid target's GatedDeltaNet states, `state_bytes_per_sequence` whatever its
+length. `RequestMemory` counts that for every request from this process's memory limit
 (`machine.memory_limit_bytes`: RAM, Metal's working set, a memory rlimit):
 - a request that would not fit even alone is refused with a 400 that says why;
 - a batch takes a request only while the running ones' reservations and the prompt cache's
@@ -26,7 +27,8 @@ ASSUMED_MEMORY = 16 * 10**9  # when this machine states no limit at all
 
 
 def kv_bytes_per_token(pair) -> int:
-    """The target's K/V cache bytes per token (every layer; the draft's are far fewer)."""
+    """The target's K/V cache bytes per token (every layer but recurrent ones; the draft's
+    are far fewer)."""
     args = _text_args(pair.target.model)
     heads = args.get("num_attention_heads") or 1
     kv_heads = args.get("num_key_value_heads") or heads
@@ -34,7 +36,19 @@ def kv_bytes_per_token(pair) -> int:
     embed = pair.target.embed_tokens
     like = getattr(embed, "scales", None)  # quantized: the activations' dtype, not the packing
     like = like if like is not None else embed.weight
-    return 2 * pair.target.num_layers * kv_heads * head_dim * like.dtype.size
+    layers = pair.target.num_layers - len(getattr(pair.target, "gdn_layers", ()))
+    return 2 * layers * kv_heads * head_dim * like.dtype.size
+
+
+def state_bytes_per_sequence(pair) -> int:
+    """A hybrid target's GatedDeltaNet states of one sequence, twice (its batch row and the
+    checkpoint at its prompt's end), in float32 (their widest)."""
+    total = 0
+    for _, layer in getattr(pair.target, "gdn_layers", ()):
+        g = layer.linear_attn
+        total += g.num_v_heads * g.head_v_dim * g.head_k_dim
+        total += (g.conv_kernel_size - 1) * g.conv_dim
+    return 2 * 4 * total
 
 
 def weights_bytes(pair) -> int:
@@ -49,15 +63,17 @@ class RequestMemory:
     room: int
     per_token: int
     sequence: int = SEQUENCE_TOKENS  # a typical request's tokens, for the default width
+    per_sequence: int = 0  # whatever its length (recurrent states)
 
     @classmethod
     def of(cls, pair, limit: int | None = None) -> "RequestMemory":
         limit = limit or memory_limit_bytes() or ASSUMED_MEMORY
         sequence = min(pair.target.context_length or SEQUENCE_TOKENS, SEQUENCE_TOKENS)
-        return cls(limit - weights_bytes(pair), kv_bytes_per_token(pair), sequence)
+        return cls(limit - weights_bytes(pair), kv_bytes_per_token(pair), sequence,
+                   state_bytes_per_sequence(pair))
 
     def need(self, tokens: int) -> int:
-        return self.per_token * max(tokens, 1)
+        return self.per_token * max(tokens, 1) + self.per_sequence
 
     def refusal(self, prompt: int, max_tokens: int) -> str | None:
         """Why a request of `prompt` tokens and `max_tokens` can never run here (None: it can)."""

@@ -71,6 +71,10 @@ class _Rows:
         self.left = [x - cut for x in self.left]
         self.end = [x - cut for x in self.end]
 
+    def expect(self, valid: list[int] | None):
+        """Rows' real tokens in the next pass: K/V rows need not know (what a row writes past
+        its end is masked, then overwritten)."""
+
     def _scatter(self, k: mx.array, v: mx.array):
         """Write (B, H, n, D) at each row's end (the ends do not move)."""
         self._reserve(k.shape[2], k, v)
@@ -325,6 +329,11 @@ class RaggedContextCache(_Rows):
         if k is not None:
             k, v = mx.contiguous(k), mx.contiguous(v)
         return ContextCache.holding(k, v, self.pos[b], self.max_rows)
+
+
+def row_lengths(caches: list) -> list[int]:
+    """Each row's token count, as the batch's K/V layers hold it."""
+    return next(c for c in caches if isinstance(c, RaggedKVCache)).lengths()
 
 
 def set_lengths(caches: list[RaggedKVCache], lengths: list[int]):

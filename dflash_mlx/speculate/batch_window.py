@@ -20,9 +20,10 @@ that decoded one token at a time would be in.
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from .batch_cache import RaggedKVCache
+from .batch_state import RaggedStateCache
 
 
 def in_order(c: RotatingKVCache) -> tuple[mx.array, mx.array] | tuple[None, None]:
@@ -113,7 +114,11 @@ class RaggedWindowCache(RaggedKVCache):
         return c
 
 
-def ragged_caches(target) -> list[RaggedKVCache]:
-    """An empty batch cache per layer of `target`: windowed where its own cache rotates."""
-    return [RaggedWindowCache(c.max_size) if isinstance(c, RotatingKVCache) else RaggedKVCache()
-            for c in make_prompt_cache(target.model)]
+def ragged_caches(target) -> list:
+    """An empty batch cache per layer of `target`: windowed where its own cache rotates, a
+    state per row where it is recurrent (GatedDeltaNet)."""
+    def one(c):
+        if isinstance(c, RotatingKVCache):
+            return RaggedWindowCache(c.max_size)
+        return RaggedStateCache() if isinstance(c, ArraysCache) else RaggedKVCache()
+    return [one(c) for c in make_prompt_cache(target.model)]

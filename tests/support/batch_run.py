@@ -8,9 +8,12 @@ import random
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import ArraysCache
 
 from dflash_mlx import stream_generate, tiny
 from dflash_mlx.batch import Batch
+from dflash_mlx.speculate.batch_cache import row_lengths
+from dflash_mlx.speculate.batch_state import RaggedStateCache
 from support.engine import GATED, Oracle, float32_pair, make_draft4, mlx_lm_greedy
 from support.rows_oracle import Plan, RowsOracleDraft
 
@@ -90,16 +93,24 @@ def single(pair, prompt, config, n, sampling=None):
 
 
 def _fresh_rows(target, tokens):
+    """Per layer: a fresh prefill's (keys, values), or (conv, state) of a recurrent layer."""
     cache = target.make_cache()
     target(mx.array([tokens]), cache, taps=False)
-    return [(c.keys[..., : len(tokens), :], c.values[..., : len(tokens), :]) for c in cache]
+    return [(c[0], c[1]) if isinstance(c, ArraysCache) else
+            (c.keys[..., : len(tokens), :], c.values[..., : len(tokens), :]) for c in cache]
+
+
+def _close(got, want):
+    scale = float(mx.abs(want).max()) + 1e-6
+    assert float(mx.abs(got - want).max()) / scale < 1e-4
 
 
 def check_caches(pair):
     """After a round: each row's target cache is a fresh prefill of its tokens but the last
     (all of them while a plain round launched ahead is running: it wrote the last one; a
-    sliding-window row at least the window's last entries of it), and
-    its draft cache plus its pending taps cover its tokens but the last."""
+    sliding-window row at least the window's last entries of it; a recurrent layer's row the
+    same conv and recurrent state), and its draft cache plus its pending taps cover its
+    tokens but the last."""
 
     def check(batch):
         ahead = {id(r) for r in batch._ahead.rows} if batch._ahead is not None else set()
@@ -107,17 +118,21 @@ def check_caches(pair):
             committed = batch.tokens(index)
             row = batch._seqs[b].row
             tokens = committed[: len(committed) - (id(row) not in ahead)]
-            assert all(c.lengths()[b] == len(tokens) for c in batch.target_cache)
+            assert row_lengths(batch.target_cache)[b] == len(tokens)
+            assert all(c.lengths()[b] == len(tokens) for c in batch.target_cache
+                       if hasattr(c, "lengths"))
             if batch.draft_cache is not None:
                 pending = 0 if row.pending is None else row.pending.shape[1]
                 assert batch.draft_cache[0].pos[b] + pending == len(committed) - 1
             for c, (k, v) in zip(batch.target_cache, _fresh_rows(pair.target, tokens)):
+                if isinstance(c, RaggedStateCache):
+                    _close(c[0][b: b + 1], k)
+                    _close(c[1][b: b + 1], v)
+                    continue
                 got_k, got_v = c.rows(b)
                 held = got_k.shape[2]  # a window row may hold only its last entries
                 if getattr(c, "window", None):
                     assert held >= min(len(tokens), c.window)
-                k, v = k[..., len(tokens) - held:, :], v[..., len(tokens) - held:, :]
-                scale = float(mx.abs(k).max()) + 1e-6
-                assert float(mx.abs(got_k - k).max()) / scale < 1e-4
-                assert float(mx.abs(got_v - v).max()) / (float(mx.abs(v).max()) + 1e-6) < 1e-4
+                _close(got_k, k[..., len(tokens) - held:, :])
+                _close(got_v, v[..., len(tokens) - held:, :])
     return check
