@@ -97,7 +97,7 @@ class _Seq:
     fixed: bool = False  # seeded sampling: its widths must not depend on the load
     note: str | None = None
     limit_note: str | None = None  # said when it stops at the model's context
-    saved: tuple | None = None  # batched recurrent target: its prompt's end, to rewind to
+    saved: tuple | None = None  # window/recurrent target: its prompt's end, to rewind to
 
 
 class Batch:

@@ -80,10 +80,18 @@ class WindowTarget(Target):
         return out
 
     def refill(self, cache: WindowCache, layers: list, length: int, saved=None) -> None:
-        """`cache` now holds `layers`, `length` tokens in all; no earlier state is kept."""
+        """`cache` now holds `layers`, `length` tokens in all (a batch's row written back);
+        `saved`: a checkpoint (length, window states) to rewind to later."""
         cache[:] = layers
         cache.length = cache.base = length
-        cache.record, cache.complete, cache.saved = None, False, None
+        cache.record, cache.complete, cache.saved = None, False, saved
+
+    def rows_checkpoint(self, caches: list, b: int) -> Record:
+        """Row b's window layers now, as `checkpoint` keeps them (copies of its last window
+        entries, made now: a view would keep the whole batch's buffer alive)."""
+        record = [(i, caches[i].export(b).state) for i in self.window_layers]
+        mx.eval([a for _, state in record for a in state[:2] if a is not None])
+        return record
 
     # -- lengths, rollback, rewinds --
     @staticmethod
