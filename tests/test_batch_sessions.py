@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import RotatingKVCache
 
 from dflash_mlx import Session, stream_generate, tiny
 from dflash_mlx.batch import Batch
@@ -81,6 +82,32 @@ def test_sequences_leave_their_caches_in_their_sessions(pair):
         assert events[0].prompt_tokens == len(follow)
 
 
+def _together_then_next_turns(pair, config, prompts, sessions, n: int) -> list:
+    """Decode `prompts` in one batch from `sessions` (every cache checked after each round);
+    each answer must be its own run's and mlx-lm's and land in its session. Then a next turn
+    alone in each session, extending the reply (all reused) or, in session 1, changing it
+    (back to the prompt's end, the checkpoint a single run keeps), decodes what a fresh
+    session does. Returns the batch's outputs."""
+    batch = Batch(pair, config)
+    assert batch.serial is None
+    outs = {batch.add(p, max_tokens=n, session=s): [] for p, s in zip(prompts, sessions)}
+    check = check_caches(pair)
+    while batch.running:
+        for ev in batch.step():
+            outs[ev.index] += ev.tokens
+        check(batch)
+    for i, (p, s) in enumerate(zip(prompts, sessions)):
+        assert outs[i] == _tokens(stream_generate(pair, p, config, max_tokens=n))
+        assert outs[i] == mlx_lm_greedy(pair.target.model, p, len(outs[i]))
+        assert s.tokens == p + outs[i]
+        turn, reused = ((s.tokens + [3, 4, 5], len(s.tokens) - 1) if i != 1 else
+                        (p + [9, 8, 7], len(p) - 1))
+        events = list(stream_generate(pair, turn, config, session=s, max_tokens=8))
+        assert _tokens(events) == _tokens(stream_generate(pair, turn, config, max_tokens=8))
+        assert events[0].reused_tokens == reused
+    return outs
+
+
 @pytest.fixture(scope="module")
 def window_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("batch-window-sessions")
@@ -100,27 +127,11 @@ def test_wrapped_sliding_windows_join_and_go_back(window_pair):
         s = Session.new(pair, config)
         list(stream_generate(pair, p, config, session=s, max_tokens=n))
         sessions.append(s)
-    batch = Batch(pair, config)
-    assert batch.serial is None
+    # they join from wrapped windows (offset past the window: only its last entries held)
+    assert all(c.offset > c.max_size for c in sessions[0].target_cache
+               if isinstance(c, RotatingKVCache))
     seconds = [s.tokens + [20, 21, 22] for s in sessions]
-    outs = {batch.add(p, max_tokens=14, session=s): [] for p, s in zip(seconds, sessions)}
-    assert batch.target_cache[0].dropped[0] > 0  # joined from a wrapped window
-    check = check_caches(pair)
-    while batch.running:
-        for ev in batch.step():
-            outs[ev.index] += ev.tokens
-        check(batch)
-    for i, (p, s) in enumerate(zip(seconds, sessions)):
-        assert outs[i] == _tokens(stream_generate(pair, p, config, max_tokens=14))
-        assert outs[i] == mlx_lm_greedy(pair.target.model, p, len(outs[i]))
-        assert s.tokens == p + outs[i]
-        # the next turn extends the reply (all reused) or changes it (session 1: back to the
-        # prompt's end, the checkpoint a single run keeps)
-        turn, reused = ((s.tokens + [3, 4, 5], len(s.tokens) - 1) if i != 1 else
-                        (p + [9, 8, 7], len(p) - 1))
-        events = list(stream_generate(pair, turn, config, session=s, max_tokens=10))
-        assert _tokens(events) == _tokens(stream_generate(pair, turn, config, max_tokens=10))
-        assert events[0].reused_tokens == reused
+    _together_then_next_turns(pair, config, seconds, sessions, 14)
 
 
 @pytest.fixture(scope="module")
@@ -133,29 +144,11 @@ def hybrid_pair(tmp_path_factory):
 
 def test_recurrent_sessions_join_and_go_back(hybrid_pair):
     """Hybrid (GatedDeltaNet) sessions, one with a first turn of its own and two fresh, decode
-    together and leave: each answer is its own run's and mlx-lm's; a next turn that extends
-    the reply reuses all of it, one that changes the reply (session 1) rewinds to the prompt's
-    end (the checkpoint a single run keeps), and both decode what a fresh session does."""
+    together and leave, then go on alone (`_together_then_next_turns`)."""
     pair = hybrid_pair
     config = SpeculationConfig(block_size=5, lookup=False, adaptive=False)
     first = Session.new(pair, config)
     list(stream_generate(pair, [3, 14, 15, 92, 6], config, session=first, max_tokens=5))
     sessions = [first, Session.new(pair, config), Session.new(pair, config)]
     prompts = [first.tokens + [20, 21], [7] * 12 + [40, 41], list(range(60, 90))]
-    batch = Batch(pair, config)
-    assert batch.serial is None
-    outs = {batch.add(p, max_tokens=12, session=s): [] for p, s in zip(prompts, sessions)}
-    check = check_caches(pair)
-    while batch.running:
-        for ev in batch.step():
-            outs[ev.index] += ev.tokens
-        check(batch)
-    for i, (p, s) in enumerate(zip(prompts, sessions)):
-        assert outs[i] == _tokens(stream_generate(pair, p, config, max_tokens=12))
-        assert outs[i] == mlx_lm_greedy(pair.target.model, p, len(outs[i]))
-        assert s.tokens == p + outs[i]
-        turn, reused = ((s.tokens + [3, 4, 5], len(s.tokens) - 1) if i % 2 == 0 else
-                        (p + [9, 8, 7], len(p) - 1))
-        events = list(stream_generate(pair, turn, config, session=s, max_tokens=8))
-        assert _tokens(events) == _tokens(stream_generate(pair, turn, config, max_tokens=8))
-        assert events[0].reused_tokens == reused
+    _together_then_next_turns(pair, config, prompts, sessions, 12)
