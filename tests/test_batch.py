@@ -376,9 +376,9 @@ def test_sliding_window_rows_hold_about_a_window(pairs):
 
 
 def test_aligned_rows_take_a_single_sequences_mask():
-    """One token of rows that start together and end together needs no mask (as a single
-    sequence's step); any padding, raggedness or a reachable window brings the per-row mask
-    back."""
+    """Rows that start together and end together take a single sequence's mask: none for one
+    token, the causal fast path for several (the same attention as the per-row mask); any
+    padding, raggedness or a reachable window brings the per-row mask back."""
     from dflash_mlx.speculate.batch_cache import RaggedKVCache
     from dflash_mlx.speculate.batch_window import RaggedWindowCache
     from mlx_lm.models.cache import KVCache
@@ -393,8 +393,13 @@ def test_aligned_rows_take_a_single_sequences_mask():
         return cache
 
     same = filled(RaggedKVCache(), [6, 6])
-    assert same.make_mask(1) is None and same.make_mask(3).shape == (2, 1, 3, 9)
+    assert same.make_mask(1) is None and same.make_mask(3) == "causal"
     assert same.make_mask(1, return_array=True).shape == (2, 1, 1, 7)
+    q, k, v = (mx.random.normal((2, 2, n, 8), key=mx.random.key(i))
+               for i, n in enumerate((3, 9, 9)))
+    rows = same.make_mask(3, return_array=True)
+    attend = lambda m: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=m)  # noqa
+    assert mx.allclose(attend("causal"), attend(rows), atol=1e-6)
     ragged = filled(RaggedKVCache(), [6, 4])
     assert ragged.make_mask(1).shape == (2, 1, 1, 7)
     same.set_lengths([6, 5])  # one row rolled back

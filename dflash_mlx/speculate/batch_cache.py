@@ -79,6 +79,11 @@ class _Rows:
         """Write (B, H, n, D) at each row's end (the ends do not move)."""
         self._reserve(k.shape[2], k, v)
         B, H, n, _ = k.shape
+        if len(set(self.end)) == 1:  # rows end together (one sequence): a slice, no scatter
+            e = self.end[0]
+            self.keys[..., e: e + n, :] = k
+            self.values[..., e: e + n, :] = v
+            return
         cols = (mx.array(self.end)[:, None] + mx.arange(n)[None])[:, None, :]
         rows, heads = mx.arange(B)[:, None, None], mx.arange(H)[None, :, None]
         self.keys[rows, heads, cols] = k
@@ -190,8 +195,8 @@ class RaggedKVCache(_Rows):
         """(B, 1, N, S): query t of row b sees its own entries up to itself."""
         if window_size is not None:
             raise ValueError("RaggedKVCache has no sliding window")
-        if N == 1 and self.aligned() and not return_array:  # one token sees every entry
-            return None  # as mlx-lm's KVCache step: no mask to build or apply
+        if self.aligned() and not return_array:  # as mlx-lm's KVCache: one token sees every
+            return None if N == 1 else "causal"  # entry, several the causal fast path
         return self._rows_mask(N)
 
     def _rows_mask(self, N: int, window: int | None = None) -> mx.array:

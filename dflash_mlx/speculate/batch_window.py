@@ -64,8 +64,8 @@ class RaggedWindowCache(RaggedKVCache):
         """(B, 1, N, S): query t of row b sees its own entries up to itself, fewer than the
         window back."""
         window = min(window_size or self.window, self.window)
-        if N == 1 and self.aligned() and not return_array and self.end[0] < window:
-            return None  # one token sees every entry: none is a window back yet
+        if self.aligned() and not return_array and self.end[0] + N <= window:
+            return None if N == 1 else "causal"  # no entry is a window back from any query
         return self._rows_mask(N, window)
 
     def prepare(self, n: int):
