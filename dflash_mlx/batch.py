@@ -343,7 +343,8 @@ class Batch:
         rounds = commit(self.pair, ahead, now - self._tic)  # a round's time: commit to commit
         self._tic = now
         if self.control is not None:
-            self.control.record(keys[: len(rounds)], False, rounds[0].verify_s)
+            self.control.record(keys[: len(rounds)], False,
+                                None if ahead.trimmed else rounds[0].verify_s)
         return self._finish(rounds)
 
     def _finish(self, rounds: list[Round]) -> list[BatchEvent]:

@@ -93,6 +93,26 @@ def test_costs_are_kept_per_batch_size():
     assert c.speculate(eight) is False
 
 
+def test_a_shrinking_batch_borrows_the_larger_size_cost_ratio():
+    """Eight rows decode plainly (a speculative round costs 3 plain ones, τ 2); as rows finish
+    one by one, each smaller batch keeps decoding plainly on the ratio the 8-row batch
+    measured, instead of spending a speculative round to time each new size. A smaller
+    batch's ratio is never borrowed for a larger one: 8 rows measured alone decide alone."""
+    c = WidthControl()
+    keys = list(range(8))
+    choices = run_rounds(c, keys, 6, spec_s=3.0, plain_s=1.0, tau=lambda i: 2)
+    assert choices[:2] == [True, False] and not any(choices[2:])
+    for n in range(7, 0, -1):
+        for key in keys[n:]:
+            c.forget(key)
+        assert c.speculate(keys[:n]) is False  # (a probe is not due within these rounds)
+        c.record(keys[:n], False, 1.0)
+    assert c.probes == 0
+    small = WidthControl()
+    run_rounds(small, [0], 4, spec_s=1.2, plain_s=1.0, tau=lambda i: 2)
+    assert small.speculate(keys) is True  # nothing timed at 8 rows yet: measure it
+
+
 def test_sequences_keep_their_own_acceptance():
     """τ is per sequence: one sequence the draft predicts carries a batch whose other one it
     misses only when its gain covers the cost; new sequences borrow the others' mean."""
@@ -282,3 +302,21 @@ def test_a_first_round_is_not_a_typical_cost_in_a_batch_as_alone(pairs, monkeypa
     batch.step()
     batch.close()
     assert [secs is None for _, _, secs in Recording.log] == [True, False, True]
+
+
+def test_a_plain_round_read_after_a_leave_times_nothing(pairs, monkeypatch):
+    """A launched plain round read after rows left: the leave ran while it did, so its
+    commit-to-commit time is not a round's (it once timed a 7-row round at an eighth of the
+    8-row ones) and is not recorded; the rounds around it are."""
+    monkeypatch.setattr(batch_module, "WidthControl", Recording)
+    monkeypatch.setattr(WidthControl, "speculate", lambda self, keys, fixed=False: False)
+    pair = pairs["qwen3"][0]
+    config = SpeculationConfig(block_size=5, adaptive=True, pass_costs=None)
+    Recording.log = []
+    events = list(batch_generate(pair, [list(range(3, 20)), list(range(5, 30))], config,
+                                 max_tokens=[4, 9]))
+    assert sum(len(e.tokens) for e in events) == 13
+    sizes = [(len(k), secs is None) for k, _, secs in Recording.log]
+    first_alone = sizes.index((1, True))
+    assert all(n == 2 for n, _ in sizes[:first_alone])
+    assert all(n == 1 and not untimed for n, untimed in sizes[first_alone + 1:])

@@ -38,9 +38,12 @@ class Ahead:
     answers: mx.array  # (B, 1) greedy, (B, 2) sampled ([accepted, next]); next is column -1
     finite: mx.array  # (B,) int32
     taps: mx.array | None  # (B, 1, T) the target's taps of each row's input token
+    # rows left after it was launched: the leave ran while it did, so its time is not a round's
+    trimmed: bool = False
 
     def keep(self, keep: list[int]):
         """Only these rows (in this order): the others left before this round was read."""
+        self.trimmed = True
         idx = mx.array(keep, mx.int32)
         self.rows = [self.rows[i] for i in keep]
         self.logits, self.answers, self.finite = (

@@ -131,7 +131,7 @@ class WidthControl:
         if self.costs is not None:
             spec, plain = self.costs.round(n, self._width.value), self.costs.verify(n)
         else:
-            spec, plain = (t.value if t else None for t in (self._spec.get(n), self._plain.get(n)))
+            spec, plain = self._timed(n)
             if spec is None:
                 return self._spec_round()  # measure speculation first
             if plain is None:
@@ -149,6 +149,23 @@ class WidthControl:
             self.probes += 1
             return self._spec_round()
         return self._plain_round()
+
+    def _timed(self, n: int) -> tuple[float | None, float | None]:
+        """Seconds of a speculative and of a plain round of n sequences, as far as known.
+
+        Only their ratio decides. A kind not timed at n yet takes the ratio of the next larger
+        batch size that timed both: rows leave one by one as they finish, and each new size
+        would otherwise cost a round of each kind to measure. A larger batch's ratio is the
+        safe side: its speculative pass has more rows per plain pass's row to verify."""
+        spec, plain = (t[n].value if n in t else None for t in (self._spec, self._plain))
+        larger = [m for m in self._spec if m > n and m in self._plain]
+        if (spec is not None and plain is not None) or not larger:
+            return spec, plain
+        m = min(larger)
+        ratio = self._spec[m].value / self._plain[m].value
+        if spec is None:
+            return (plain or 1.0) * ratio, plain or 1.0
+        return spec, spec / ratio
 
     def _spec_round(self) -> bool:
         # after plain rounds the draft first catches up on their context: not a typical cost
