@@ -121,6 +121,7 @@ class Batch:
         self._ahead: Ahead | None = None  # a plain round launched and not read yet
         self._decided: bool | None = None  # the next round's kind, decided a step early
         self._tic = 0.0
+        self._run: tuple[float, int] | None = None  # plain rounds read ahead: (first read, since)
         self.target_cache = self.draft_cache = None
         # speculation or plain decoding, per round, from the costs measured at each batch size
         self.control = (WidthControl(config.pass_costs)
@@ -284,6 +285,7 @@ class Batch:
         if self.serial is None and all(w == 1 for w in widths) and can_go_ahead(
                 [s.row for s in self._seqs]):
             self._tic = time.perf_counter()
+            self._run = None
             self._ahead = self._launch(mx.array([s.row.tokens[-1] for s in self._seqs]))
             return failed + self._step_ahead()
         self._draw_keys(widths)
@@ -339,12 +341,21 @@ class Batch:
                 self._ahead = self._launch(next_tokens(ahead))
             else:
                 self._decided = wide  # the next step's round, after this one is read
-        now = time.perf_counter()
-        rounds = commit(self.pair, ahead, now - self._tic)  # a round's time: commit to commit
-        self._tic = now
+        rounds = commit(self.pair, ahead, self._tic)  # a round's time: read to read
+        self._tic = now = time.perf_counter()
+        # A read may wait for the round launched after it too (the CPU's does), and the last
+        # finds its round done: a round's cost is the mean from a run's first read to a read
+        # that launched the next round.
+        seconds = None
+        if self._run is None or ahead.trimmed:
+            self._run = (now, 0)
+        else:
+            start, reads = self._run[0], self._run[1] + 1
+            self._run = (start, reads)
+            if self._ahead is not None:
+                seconds = (now - start) / reads
         if self.control is not None:
-            self.control.record(keys[: len(rounds)], False,
-                                None if ahead.trimmed else rounds[0].verify_s)
+            self.control.record(keys[: len(rounds)], False, seconds)
         return self._finish(rounds)
 
     def _finish(self, rounds: list[Round]) -> list[BatchEvent]:

@@ -70,6 +70,23 @@ def test_probes_of_a_wide_batch_cost_a_bounded_share():
     assert c.probes * 2.0 <= PROBE_SHARE * plain * 1.05
 
 
+def test_a_probe_is_charged_what_it_cost():
+    """A probe's draft also catches up on the plain rounds before it, so it costs more than a
+    steady speculative round (here 6 plain rounds, not 3): the next probe waits until the
+    probes' share of the time is PROBE_SHARE at that cost."""
+    c = WidthControl()
+    keys = list(range(8))
+    choices, wide = [], True
+    for _ in range(1000):
+        after_plain = not wide
+        wide = c.speculate(keys)
+        c.record(keys, wide, (6.0 if after_plain else 3.0) if wide else 1.0, [1] * 8)
+        choices.append(wide)
+    probes = [i for i, w in enumerate(choices) if w][2:]
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
+    assert len(gaps) >= 3 and min(gaps) >= 5 / PROBE_SHARE  # each loses 6 - 1 plain rounds
+
+
 def test_returns_to_speculation_when_acceptance_comes_back():
     c = WidthControl()
     # a stretch the draft misses (τ 1), then one it predicts (τ 4)
@@ -290,7 +307,9 @@ def test_a_first_round_is_not_a_typical_cost_in_a_batch_as_alone(pairs, monkeypa
         Recording.log = []
         list(run())
         assert Recording.log[0][1:] == (True, None)  # speculated, not timed
-        assert all(secs is not None for _, _, secs in Recording.log[1:])
+        # (a plain round read ahead may be untimed: the run's first and last reads)
+        assert all(secs is not None for _, wide, secs in Recording.log[1:] if wide)
+        assert any(secs is not None for _, wide, secs in Recording.log[1:] if not wide)
     pair.draft.oracle = None
     # a sequence joining a running batch: its first round is not timed either
     Recording.log = []
@@ -303,20 +322,3 @@ def test_a_first_round_is_not_a_typical_cost_in_a_batch_as_alone(pairs, monkeypa
     batch.close()
     assert [secs is None for _, _, secs in Recording.log] == [True, False, True]
 
-
-def test_a_plain_round_read_after_a_leave_times_nothing(pairs, monkeypatch):
-    """A launched plain round read after rows left: the leave ran while it did, so its
-    commit-to-commit time is not a round's (it once timed a 7-row round at an eighth of the
-    8-row ones) and is not recorded; the rounds around it are."""
-    monkeypatch.setattr(batch_module, "WidthControl", Recording)
-    monkeypatch.setattr(WidthControl, "speculate", lambda self, keys, fixed=False: False)
-    pair = pairs["qwen3"][0]
-    config = SpeculationConfig(block_size=5, adaptive=True, pass_costs=None)
-    Recording.log = []
-    events = list(batch_generate(pair, [list(range(3, 20)), list(range(5, 30))], config,
-                                 max_tokens=[4, 9]))
-    assert sum(len(e.tokens) for e in events) == 13
-    sizes = [(len(k), secs is None) for k, _, secs in Recording.log]
-    first_alone = sizes.index((1, True))
-    assert all(n == 2 for n, _ in sizes[:first_alone])
-    assert all(n == 1 and not untimed for n, untimed in sizes[first_alone + 1:])

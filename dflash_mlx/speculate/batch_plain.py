@@ -14,6 +14,8 @@ is the same as `batch_round` at width 1: the same answer function, the same keys
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -79,13 +81,15 @@ def next_tokens(ahead: Ahead) -> mx.array:
     return ahead.answers[:, -1]
 
 
-def commit(pair, ahead: Ahead, seconds: float) -> list[Round]:
-    """Read a launched round and commit it: one `Round` per row, in order.
+def commit(pair, ahead: Ahead, since: float) -> list[Round]:
+    """Read a launched round and commit it: one `Round` per row, in order, each timed from
+    `since` (the last read) to this read.
 
     A row that finishes or fails here keeps its committed tokens, but its cache row may
     already hold the next round's token (the caller rolls it back when the row leaves).
     """
     host = mx.concatenate([next_tokens(ahead), ahead.finite]).tolist()
+    seconds = time.perf_counter() - since
     n = len(ahead.rows)
     out = []
     for b, (r, nxt, ok) in enumerate(zip(ahead.rows, host[:n], host[n:])):

@@ -115,6 +115,7 @@ class WidthControl:
         self._width = _Mean(TAU_EMA)  # rows per sequence of a speculative verify pass
         self._spec: dict[int, _Fastest] = {}  # batch size -> seconds per speculative round
         self._plain: dict[int, _Fastest] = {}  # batch size -> seconds per plain round
+        self._probe: dict[int, float] = {}  # batch size -> its last probe, in plain rounds
         self._tau: dict[Hashable, _Mean] = {}  # sequence -> tokens per speculative round
         self._tau_all = _Mean(TAU_EMA)  # every sequence's, for those not measured yet
         self._wait, self._since = PROBE_FIRST, 0
@@ -143,7 +144,9 @@ class WidthControl:
             self._wait, self._since = PROBE_FIRST, 0
             return self._spec_round()
         # what a probe loses against plain rounds committing the same tokens, in plain rounds
-        loss = (spec - tokens * plain / n) / plain
+        # (the last probe's seconds where timed: its draft also catches up on the plain rounds)
+        probe = max(spec, self._probe.get(n, 0.0) * plain)
+        loss = (probe - tokens * plain / n) / plain
         if self._since >= max(self._wait, loss / PROBE_SHARE):  # has acceptance come back?
             self._since, self._wait = 0, min(2 * self._wait, PROBE_MAX)
             self.probes += 1
@@ -186,6 +189,9 @@ class WidthControl:
         the rows per sequence its verify pass ran (padding included)."""
         weight = None
         if speculated and self._catching_up:
+            plain = self._plain.get(len(keys))
+            if seconds is not None and seconds > 0 and plain is not None:
+                self._probe[len(keys)] = seconds / plain.value
             seconds, weight = None, PROBE_EMA
         if seconds is not None and seconds > 0 and self.costs is None:
             table = self._spec if speculated else self._plain
