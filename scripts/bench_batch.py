@@ -8,10 +8,12 @@ For each concurrency N (default 1, 2, 4, 8) the same N prompts are decoded greed
   (c) mlx-lm's `BatchGenerator`: batched plain decoding of the same (float32) target,
 interleaved in one process, rotating which goes first; aggregate tok/s = generated tokens /
 wall seconds from the first prompt in to the last token out (prefill included), median over
-`--repeats`. (a) and (b) use the pair's device defaults (`SpeculationConfig.for_pair`).
-Greedy outputs of (a) and (b) must match per prompt; a difference is reported, not hidden.
+`--repeats`. (a) and (b) use the settings the CLI and the server open the pair with (this
+machine's cost curve included). Greedy outputs of (a) and (b) must match per prompt; a
+difference is reported, not hidden.
 
-Prompts: the held-out file (scripts/prompts/heldout-v1.jsonl), never the reporting set.
+Prompts: the first N of `--prompts`, by default the unseen file (scripts/prompts/unseen-v1.jsonl),
+which no setting was chosen on; the width controller's rules are chosen on the held-out file.
 
     python scripts/bench_batch.py --max-tokens 96 --repeats 3 [--json out.json]
     python scripts/bench_batch.py --model gemma3-270m --draft lookup   # sliding windows
@@ -29,15 +31,14 @@ from pathlib import Path
 import dflash_mlx  # noqa: F401, I001  (first: preloads the system OpenBLAS before mlx on Linux)
 from mlx_lm.generate import BatchGenerator
 
-from dflash_mlx import load, registry, stream_generate
+from dflash_mlx import registry, stream_generate
 from dflash_mlx.batch import batch_generate, serial_reason
+from dflash_mlx.bench.runner import load_prompt_file
 from dflash_mlx.chat import apply_template
 from dflash_mlx.engine import EngineSettings, open as open_engine
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.registry import default_pair
-from dflash_mlx.speculate import SpeculationConfig
 
-PROMPTS = Path(__file__).resolve().parent / "prompts" / "heldout-v1.jsonl"
+PROMPTS = Path(__file__).resolve().parent / "prompts" / "unseen-v1.jsonl"
 
 
 def chat_ids(pair, text: str) -> list[int]:
@@ -87,21 +88,18 @@ def main():
     ap.add_argument("--model", default=None,
                     help="a models.toml name or path (default: the demo pair)")
     ap.add_argument("--draft", default=None, help="with --model: its draft, or 'lookup'")
+    ap.add_argument("--prompts", type=Path, default=PROMPTS, help="a JSONL file of prompts")
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
 
-    if args.model is None:
-        pair = load(*default_pair())
-        config = SpeculationConfig.for_pair(pair)
-    else:
-        try:
-            opened = open_engine(registry.resolve(args.model, args.draft, False),
-                                 EngineSettings(tree=0))
-        except DFlashError as e:
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(2)
-        pair, config = opened.pair, opened.config
-    texts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line]
+    try:
+        opened = open_engine(registry.resolve(args.model, args.draft, False),
+                             EngineSettings(tree=0))
+        texts = [turns[0] for turns in load_prompt_file(args.prompts)[1]]  # first turns
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+    pair, config = opened.pair, opened.config
     print(f"target {pair.target_id} ({pair.weights}), draft {pair.draft_id}; "
           f"block {config.block_size}, cut {config.min_confidence}, lookup {config.lookup}; "
           f"batched target: {serial_reason(pair) or 'yes'}", file=sys.stderr)

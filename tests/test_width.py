@@ -282,6 +282,20 @@ def test_measured_costs_decide_without_timing_plain_rounds():
     assert low.speculate([0]) is False
 
 
+def test_rounds_wider_than_the_measured_passes_are_timed():
+    """A curve measured up to 8 rows decides one sequence at width 5 from its costs; two
+    sequences verify 10 rows, past it, where the linear extension overstates a CPU's cost
+    (measured: 1.55 plain rounds, extended: 1.9), so those rounds are timed and decide."""
+    narrow = PassCosts(((1, 1.0), (4, 1.26), (8, 1.43)), 0.24, 5)
+    c = WidthControl(narrow)
+    c.record([0], True, 99.0, [2], 5)
+    assert c.speculate([0]) is True and c._spec == {}
+    two = ["a", "b"]
+    choices = run_rounds(c, two, 12, spec_s=1.5, plain_s=1.0, tau=lambda i: 1.7)
+    assert choices[:2] == [True, False] and all(choices[2:])  # 3.4 / 1.5 > 2 / 1
+    assert narrow.round(2, 5) / narrow.verify(2) > 1.7  # what the extension would have said
+
+
 class Recording(WidthControl):
     """The real controller, keeping what each round recorded."""
 

@@ -4,8 +4,9 @@ A speculative round costs a draft pass and a wider verify pass; it pays when the
 commits per second beat plain decoding's. The cost of each kind of round depends on the batch
 size (a wide verify of many rows costs more than a few, so the answer changes with the load):
 with `PassCosts`, this machine's measured cost of a target pass of R rows (the CPU's cost
-curve, `cpu/cost.py`, timed once and cached), it is computed; without, the seconds of each
-kind of round are measured as generation goes. Each sequence's tokens per speculative round
+curve, `cpu/cost.py`, timed once and cached), it is computed for the widths that curve
+measured; past them, and without one, the seconds of each kind of round are measured as
+generation goes. Each sequence's tokens per speculative round
 (τ) and the rows a speculative pass verifies are measured as it goes. Before every round
 `WidthControl.speculate` picks the faster kind for the whole batch:
 speculation at the configured width, or width 1 (plain decoding, no draft pass). While plain
@@ -129,7 +130,7 @@ class WidthControl:
         n = len(keys)
         if fixed or not self._tau_all.n:
             return self._spec_round()  # measure acceptance first
-        if self.costs is not None:
+        if self._costed(n):
             spec, plain = self.costs.round(n, self._width.value), self.costs.verify(n)
         else:
             spec, plain = self._timed(n)
@@ -152,6 +153,12 @@ class WidthControl:
             self.probes += 1
             return self._spec_round()
         return self._plain_round()
+
+    def _costed(self, n: int) -> bool:
+        """Whether a speculative round of n sequences is within the measured pass costs: past
+        the widest measured pass they are only extrapolated (linearly, while a CPU's cost per
+        row falls with the rows), so such rounds are timed instead."""
+        return self.costs is not None and n * self.costs.block <= self.costs.rows[-1][0]
 
     def _timed(self, n: int) -> tuple[float | None, float | None]:
         """Seconds of a speculative and of a plain round of n sequences, as far as known.
@@ -193,7 +200,7 @@ class WidthControl:
             if seconds is not None and seconds > 0 and plain is not None:
                 self._probe[len(keys)] = seconds / plain.value
             seconds, weight = None, PROBE_EMA
-        if seconds is not None and seconds > 0 and self.costs is None:
+        if seconds is not None and seconds > 0 and not self._costed(len(keys)):
             table = self._spec if speculated else self._plain
             table.setdefault(len(keys), _Fastest()).feed(seconds)
         if speculated:
