@@ -62,23 +62,34 @@ class _Capture:
         return _Capture(self.cache, pick(self.conv0), pick(self.state0), self.width, self.gdn,
                         len(rows), pick(self.conv_input), steps)
 
-    def restore(self, n: int, gdn) -> None:
+    def restore(self, n: int) -> None:
         """Leave `cache` as it was after the first `n` steps of the call."""
-        if n == self.width:
-            return
-        if n == 0:
-            self.cache[0], self.cache[1] = self.conv0, self.state0
-            return
+        if n != self.width:
+            self.cache[0], self.cache[1] = self.replay([n] * self.rows)
+
+    def replay(self, steps: list[int]) -> tuple[mx.array | None, mx.array | None]:
+        """(conv, recurrent) state of each row b after its first `steps[b]` steps of the call
+        (the states before it where no row takes a step: None for fresh rows)."""
+        n = max(steps)
+        if not n:
+            return self.conv0, self.state0
         if self.steps is None:
             raise RollbackError(f"a {self.width}-token call kept no per-step inputs")
+        gdn, ragged = self.gdn, min(steps) < n
         q, k, v, a, b, mask = self.steps
+        mine = None if mask is None else mask[:, :n]
+        if ragged:  # each row's steps past its own count are masked, as padding is
+            upto = mx.arange(n)[None] < mx.array(steps)[:, None]
+            mine = upto if mine is None else upto & mine
         _, state = qwen3_5.gated_delta_update(
             q[:, :n], k[:, :n], v[:, :n], a[:, :n], b[:, :n], gdn.A_log, gdn.dt_bias,
-            self.state0, None if mask is None else mask[:, :n], use_kernel=not gdn.training,
+            self.state0, mine, use_kernel=not gdn.training,
         )
         keep = gdn.conv_kernel_size - 1
-        self.cache[0] = mx.contiguous(self.conv_input[:, n : n + keep, :])
-        self.cache[1] = state
+        if not ragged:
+            return mx.contiguous(self.conv_input[:, n : n + keep, :]), state
+        at = (mx.array(steps)[:, None] + mx.arange(keep))[..., None]
+        return mx.take_along_axis(self.conv_input, at, axis=1), state
 
 
 class _CapturingGDN:
@@ -290,7 +301,7 @@ class HybridTarget(Target):
         if caps is not None and cache.base <= length:
             # captures come in layer order (a prefix of the layers if the call was cut short)
             for (_, layer), cap in zip(self.gdn_layers, caps):
-                cap.restore(length - cache.base, layer["linear_attn"])
+                cap.restore(length - cache.base)
         elif length == 0:
             for i, _ in self.gdn_layers:
                 cache[i][0] = cache[i][1] = None

@@ -21,7 +21,6 @@ how far back a row goes, and refuses what the last pass cannot give back.
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models import qwen3_5
 from mlx_lm.models.cache import ArraysCache
 
 
@@ -105,24 +104,9 @@ class RaggedStateCache:
         cap = self.capture
         if cap is None or max(rows) >= cap.rows:
             raise ValueError("the last pass kept no inputs to roll these rows back")
-        gdn, m = cap.gdn, cap.rows  # rows that joined since are after these, untouched
+        m = cap.rows  # rows that joined since are after these, untouched
         pick = mx.array([b in rows for b in range(m)])
-        want = [steps[b] if b in rows else 0 for b in range(m)]
-        n = max(want)
-        state, conv = cap.state0, cap.conv0
-        if n:
-            if cap.steps is None:
-                raise ValueError(f"a {cap.width}-token pass kept no per-step inputs")
-            q, k, v, a, beta, mask = cap.steps
-            mine = mx.arange(n)[None] < mx.array(want)[:, None]
-            if mask is not None:
-                mine = mine & mask[:, :n]
-            _, state = qwen3_5.gated_delta_update(
-                q[:, :n], k[:, :n], v[:, :n], a[:, :n], beta[:, :n], gdn.A_log, gdn.dt_bias,
-                state, mine, use_kernel=not gdn.training)
-            keep = gdn.conv_kernel_size - 1
-            at = (mx.array(want)[:, None] + mx.arange(keep))[..., None]
-            conv = mx.take_along_axis(cap.conv_input, at, axis=1)
+        conv, state = cap.replay([steps[b] if b in rows else 0 for b in range(m)])
         # every row started fresh and goes back to the start
         state = mx.zeros_like(self.cache[1][:m]) if state is None else state
         conv = mx.zeros_like(self.cache[0][:m]) if conv is None else conv
