@@ -90,7 +90,14 @@ def main():
     ap.add_argument("--draft", default=None, help="with --model: its draft, or 'lookup'")
     ap.add_argument("--prompts", type=Path, default=PROMPTS, help="a JSONL file of prompts")
     args = ap.parse_args()
-    levels = [int(x) for x in args.concurrency.split(",")]
+    try:
+        levels = [int(x) for x in args.concurrency.split(",")]
+        if min(levels) < 1:
+            raise ValueError
+    except ValueError:
+        print(f"error: --concurrency {args.concurrency!r}: give positive whole numbers, "
+              "comma-separated (e.g. 1,2,4,8)", file=sys.stderr)
+        raise SystemExit(2)
 
     try:
         opened = open_engine(registry.resolve(args.model, args.draft, False),
