@@ -21,7 +21,6 @@ verify rows as a single sequence's round does. Draft trees are refused here for 
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ import mlx.core as mx
 from mlx_lm.generate import wired_limit
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from .batch_prefill import groups, join_rows, let_go, prefill_together
+from .batch_prefill import groups, join_rows, let_go, prefill_together, write_back
 from .errors import InvalidArgumentError
 from .generate import (
     BlockEvent,
@@ -41,18 +40,18 @@ from .generate import (
     _settle,
     _text,
     prefill,
+    start,
 )
 from .inputs import encode_prompt
 from .models.hybrid import HybridTarget
 from .speculate import SamplingParams, SpeculationConfig, guards
 from .speculate.batch_cache import filter_rows, row_lengths, set_lengths
 from .speculate.batch_window import ragged_caches
-from .speculate.batch_plain import Ahead, can_go_ahead, commit, launch, next_tokens
+from .speculate.batch_plain import (Ahead, ReadClock, can_go_ahead, commit, launch,
+                                    next_tokens)
 from .speculate.batch_draft import make_draft_caches
 from .speculate.batch_round import Row, batch_round
-from .speculate.grammar import Grammar
 from .speculate.rounds import Request, Round, path_round
-from .speculate.sampling import check_max_tokens
 from .speculate.width import WidthControl
 
 
@@ -120,8 +119,7 @@ class Batch:
         self._count = 0
         self._ahead: Ahead | None = None  # a plain round launched and not read yet
         self._decided: bool | None = None  # the next round's kind, decided a step early
-        self._tic = 0.0
-        self._run: tuple[float, int] | None = None  # plain rounds read ahead: (first read, since)
+        self._clock = ReadClock()  # plain rounds read ahead: what one costs
         self.target_cache = self.draft_cache = None
         # speculation or plain decoding, per round, from the costs measured at each batch size
         self.control = (WidthControl(config.pass_costs)
@@ -158,24 +156,11 @@ class Batch:
         home = session  # where the sequence's caches go when it leaves (a batched target)
         session, lookup_only = _settle(pair, config, session, params)
         ids = encode_prompt(pair, prompt)
-        budget = _Budget(set(getattr(pair.tokenizer, "eos_token_ids", None) or []),
-                         check_max_tokens(max_tokens))
-        limit = pair.target.context_length
-        limit_note = None
-        if limit and len(ids) + max_tokens > limit:  # never decode past the model's context
-            budget.max_tokens = limit - len(ids)
-            limit_note = f"stopped at the model's context ({limit} tokens)"
-        seed = params.seed if params.seed is not None else random.getrandbits(32)
-        block = config.block_size
-        watch = (guards.AcceptanceWatch(config.fallback_after)
-                 if block > 1 and config.fallback_after else None)
-        grammar = params.constraint and Grammar(params.constraint, pair.tokenizer,
-                                                sorted(budget.eos), pair.target.vocab_size)
-        seq = _Seq(self._count, Request(params, budget.cut, lookup_only, logprobs, grammar),
-                   budget,
-                   mx.random.key(seed), pair.tokenizer.detokenizer, block, watch,
-                   (0, 0, 0.0), fixed=not params.greedy and params.seed is not None,
-                   limit_note=limit_note)
+        req, budget, key, watch, limit_note = start(pair, config, params, ids, max_tokens,
+                                                    lookup_only, logprobs)
+        seq = _Seq(self._count, req, budget, key, pair.tokenizer.detokenizer,
+                   config.block_size, watch, (0, 0, 0.0),
+                   fixed=not params.greedy and params.seed is not None, limit_note=limit_note)
         self._count += 1
         if self.serial is None and not session.tokens and session.pending is None:
             self._fresh.append((seq, session, ids))
@@ -255,22 +240,13 @@ class Batch:
             s = self._seqs[i]
             if self.control is not None:
                 self.control.forget(s.index)
-            if s.home is not None:
-                self._write_back(i, s)
+            if s.home is not None:  # a server's next turn of that conversation reuses it
+                write_back(self.pair, self.target_cache, self.draft_cache, i, s.home,
+                           s.row.tokens, s.row.pending, s.saved)
+                s.home = None
         self._seqs = [self._seqs[i] for i in keep]
         filter_rows(self.target_cache, keep)
         filter_rows(self.draft_cache, keep)
-
-    def _write_back(self, b: int, s: _Seq):
-        """Row b's caches, tokens and pending taps into its session, as a single-sequence run
-        would leave them (a server's next turn of that conversation reuses the reply)."""
-        home, s.home = s.home, None
-        self.pair.target.refill(home.target_cache, [c.export(b) for c in self.target_cache],
-                                len(s.row.tokens) - 1, s.saved)
-        if self.draft_cache is not None and home.draft_cache is not None:
-            home.draft_cache[:] = [c.export(b) for c in self.draft_cache]
-        home.tokens, home.pending = list(s.row.tokens), s.row.pending
-        mx.eval([c.state for c in home.target_cache + (home.draft_cache or [])])
 
     def step(self) -> list[BatchEvent]:
         """One round for every running sequence: one event each; finished ones leave."""
@@ -284,8 +260,7 @@ class Batch:
         widths = self._widths(wide)
         if self.serial is None and all(w == 1 for w in widths) and can_go_ahead(
                 [s.row for s in self._seqs]):
-            self._tic = time.perf_counter()
-            self._run = None
+            self._clock.start()
             self._ahead = self._launch(mx.array([s.row.tokens[-1] for s in self._seqs]))
             return failed + self._step_ahead()
         self._draw_keys(widths)
@@ -341,19 +316,8 @@ class Batch:
                 self._ahead = self._launch(next_tokens(ahead))
             else:
                 self._decided = wide  # the next step's round, after this one is read
-        rounds = commit(self.pair, ahead, self._tic)  # a round's time: read to read
-        self._tic = now = time.perf_counter()
-        # A read may wait for the round launched after it too (the CPU's does), and the last
-        # finds its round done: a round's cost is the mean from a run's first read to a read
-        # that launched the next round.
-        seconds = None
-        if self._run is None or ahead.trimmed:
-            self._run = (now, 0)
-        else:
-            start, reads = self._run[0], self._run[1] + 1
-            self._run = (start, reads)
-            if self._ahead is not None:
-                seconds = (now - start) / reads
+        rounds = commit(self.pair, ahead, self._clock.since)
+        seconds = self._clock.read(ahead.trimmed, self._ahead is not None)
         if self.control is not None:
             self.control.record(keys[: len(rounds)], False, seconds)
         return self._finish(rounds)

@@ -1,4 +1,5 @@
-"""Sequences joining a batch: fresh prompts prefilled in shared target passes, rows copied in.
+"""Sequences joining a batch (fresh prompts prefilled in shared target passes, rows copied
+in) and leaving it for their sessions.
 
 One prompt at a time, a batch of N new requests pays N prefill passes whose rows are few; on
 a CPU (or a GPU) a pass of N prompts' rows costs much less than N passes. Here the prompts go
@@ -125,3 +126,16 @@ def join_rows(pair, target_cache: list, draft_cache: list | None, sessions: list
         out.append((list(s.tokens), s.pending))
         let_go(pair, s)
     return out
+
+
+def write_back(pair, target_cache: list, draft_cache: list | None, b: int, home: Session,
+               tokens: list[int], pending, saved):
+    """Row b of a batch's caches, its tokens and pending taps into `home`, as a single
+    sequence's run would leave that session (`saved`: the row's prompt checkpoint, for a
+    window or recurrent target)."""
+    pair.target.refill(home.target_cache, [c.export(b) for c in target_cache],
+                       len(tokens) - 1, saved)
+    if draft_cache is not None and home.draft_cache is not None:
+        home.draft_cache[:] = [c.export(b) for c in draft_cache]
+    home.tokens, home.pending = list(tokens), pending
+    mx.eval([c.state for c in home.target_cache + (home.draft_cache or [])])

@@ -228,6 +228,25 @@ def _settle(pair, config: SpeculationConfig, session: Session | None,
     return session, lookup_only
 
 
+def start(pair, config: SpeculationConfig, params: SamplingParams, ids: list[int],
+          max_tokens: int, lookup_only: bool, logprobs: int | None):
+    """What one sequence starts from: (its `Request`, `_Budget`, random key, acceptance
+    watch or None, the note said if it stops at the model's context or None)."""
+    budget = _Budget(set(getattr(pair.tokenizer, "eos_token_ids", None) or []),
+                     check_max_tokens(max_tokens))
+    limit, limit_note = pair.target.context_length, None
+    if limit and len(ids) + max_tokens > limit:  # never decode past the model's context
+        budget.max_tokens = limit - len(ids)
+        limit_note = f"stopped at the model's context ({limit} tokens)"
+    grammar = params.constraint and Grammar(params.constraint, pair.tokenizer,
+                                            sorted(budget.eos), pair.target.vocab_size)
+    req = Request(params, budget.cut, lookup_only, logprobs, grammar)
+    key = mx.random.key(params.seed if params.seed is not None else random.getrandbits(32))
+    watch = (guards.AcceptanceWatch(config.fallback_after)
+             if config.block_size > 1 and config.fallback_after else None)
+    return req, budget, key, watch, limit_note
+
+
 def _keys(key: mx.array, params: SamplingParams, drafts: bool):
     """(next key, draft key, verify key) for one round; None when greedy. A round that drafts
     splits off the draft's key (DFlash 2's selector samples) before the verify key."""
@@ -291,18 +310,9 @@ def stream_generate(
         min_confidence=None if min_confidence is None else float(min_confidence))
     session, lookup_only = _settle(pair, config, session, params)
     ids = encode_prompt(pair, prompt)
-    limit = pair.target.context_length
-    budget = _Budget(set(getattr(pair.tokenizer, "eos_token_ids", None) or []),
-                     check_max_tokens(max_tokens))
-    capped = bool(limit) and len(ids) + max_tokens > limit
-    if capped:  # never decode past the model's context: stop there, and say so
-        budget.max_tokens = limit - len(ids)
-    req = Request(params, budget.cut, lookup_only, logprobs, params.constraint and Grammar(
-        params.constraint, pair.tokenizer, sorted(budget.eos), pair.target.vocab_size))
-    key = mx.random.key(params.seed if params.seed is not None else random.getrandbits(32))
+    req, budget, key, watch, limit_note = start(pair, config, params, ids, max_tokens,
+                                                lookup_only, logprobs)
     block = config.block_size
-    watch = (guards.AcceptanceWatch(config.fallback_after)
-             if block > 1 and config.fallback_after else None)
     tree, note = tree_budget(pair, config, lookup_only, req.grammar is not None)
     control = adaptive_control(config, params)
     tic = time.perf_counter()
@@ -327,8 +337,8 @@ def stream_generate(
                 rows = 1 + rnd.nodes if rnd.nodes else config.width(1 + len(rnd.drafted))
                 control.record(SOLO, wide, seconds, [len(rnd.tokens)], rows)
             budget.produced += len(rnd.tokens)
-            if rnd.finish == "length" and capped:
-                note = f"stopped at the model's context ({limit} tokens)"
+            if rnd.finish == "length" and limit_note:
+                note = limit_note
             if watch is not None and watch.feed(len(rnd.drafted), rnd.accepted):
                 block, watch, note = 1, None, watch.note  # the rest is plain AR: exact too
             yield _event(rnd, _text(detok, rnd.tokens, rnd.finish, budget.eos), n_prompt,

@@ -106,3 +106,31 @@ def commit(pair, ahead: Ahead, since: float) -> list[Round]:
             t = ahead.taps[b: b + 1]
             r.pending = t if r.pending is None else mx.concatenate([r.pending, t], axis=1)
     return out
+
+
+class ReadClock:
+    """What a plain round read ahead costs.
+
+    A read may wait for the round launched after it too (the CPU's does), and the last read
+    of a run finds its round done: so a round costs the mean from a run's first read to a
+    read that launched the next round. Exact whether a read waits for all work (CPU) or for
+    its own round (a GPU)."""
+
+    def __init__(self):
+        self.since = 0.0  # the last read (or the run's launch)
+        self._run: tuple[float, int] | None = None  # (the run's first read, reads since)
+
+    def start(self):
+        """A run of plain rounds is launched."""
+        self.since, self._run = time.perf_counter(), None
+
+    def read(self, trimmed: bool, launched: bool) -> float | None:
+        """A round was read (`trimmed`: rows left since its launch; `launched`: the next
+        round went before the read): a round's seconds, or None (not typical)."""
+        self.since = now = time.perf_counter()
+        if self._run is None or trimmed:
+            self._run = (now, 0)
+            return None
+        first, reads = self._run[0], self._run[1] + 1
+        self._run = (first, reads)
+        return (now - first) / reads if launched else None
