@@ -52,7 +52,7 @@ from .speculate.batch_plain import (Ahead, ReadClock, can_go_ahead, commit, laun
 from .speculate.batch_draft import make_draft_caches
 from .speculate.batch_round import Row, batch_round
 from .speculate.rounds import Request, Round, path_round
-from .speculate.width import WidthControl
+from .speculate.width import WidthControl, remember, remembered
 
 
 @dataclass
@@ -122,7 +122,7 @@ class Batch:
         self._clock = ReadClock()  # plain rounds read ahead: what one costs
         self.target_cache = self.draft_cache = None
         # speculation or plain decoding, per round, from the costs measured at each batch size
-        self.control = (WidthControl(config.pass_costs)
+        self.control = (WidthControl(config.pass_costs, remembered(pair, config.block_size))
                         if config.adaptive and config.block_size > 1 else None)
         if self.serial is None:
             self.target_cache = ragged_caches(pair.target)
@@ -362,6 +362,8 @@ class Batch:
         """Drop every sequence and free the caches."""
         self._fresh = []
         self._leave(set(range(len(self._seqs))))
+        if self.control is not None:  # the next batch of this pair starts from what it measured
+            remember(self.pair, self.config.block_size, self.control)
 
 
 def batch_generate(

@@ -14,6 +14,10 @@ difference is reported, not hidden.
 
 Prompts: the first N of `--prompts`, by default the unseen file (scripts/prompts/unseen-v1.jsonl),
 which no setting was chosen on; the width controller's rules are chosen on the held-out file.
+A batch's controller starts from what the pair's last batch measured (as a running server's
+does), so before each N, (a) runs once on N prompts of `--warm-prompts` (the held-out file):
+its first rounds at that load are not spent measuring on the reported prompts, and every
+repeat starts from that run's measurements, not from an earlier repeat's.
 
     python scripts/bench_batch.py --max-tokens 96 --repeats 3 [--json out.json]
     python scripts/bench_batch.py --model gemma3-270m --draft lookup   # sliding windows
@@ -37,8 +41,10 @@ from dflash_mlx.bench.runner import load_prompt_file
 from dflash_mlx.chat import apply_template
 from dflash_mlx.engine import EngineSettings, open as open_engine
 from dflash_mlx.errors import DFlashError
+from dflash_mlx.speculate.width import remember, remembered
 
 PROMPTS = Path(__file__).resolve().parent / "prompts" / "unseen-v1.jsonl"
+WARM = PROMPTS.with_name("heldout-v1.jsonl")
 
 
 def chat_ids(pair, text: str) -> list[int]:
@@ -89,6 +95,8 @@ def main():
                     help="a models.toml name or path (default: the demo pair)")
     ap.add_argument("--draft", default=None, help="with --model: its draft, or 'lookup'")
     ap.add_argument("--prompts", type=Path, default=PROMPTS, help="a JSONL file of prompts")
+    ap.add_argument("--warm-prompts", type=Path, default=WARM,
+                    help="prompts (a JSONL file) the batched runs warm up on at each N")
     args = ap.parse_args()
     try:
         levels = [int(x) for x in args.concurrency.split(",")]
@@ -103,6 +111,7 @@ def main():
         opened = open_engine(registry.resolve(args.model, args.draft, False),
                              EngineSettings(tree=0))
         texts = [turns[0] for turns in load_prompt_file(args.prompts)[1]]  # first turns
+        warm = [turns[0] for turns in load_prompt_file(args.warm_prompts)[1]]
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
@@ -111,16 +120,26 @@ def main():
           f"block {config.block_size}, cut {config.min_confidence}, lookup {config.lookup}; "
           f"batched target: {serial_reason(pair) or 'yes'}", file=sys.stderr)
     fixed = config.replace(adaptive=False)
+    warmed = {}  # N -> the controller its held-out warm run left
+
+    def batched(ps):  # every repeat starts from the held-out run, not from the last repeat
+        if warmed.get(len(ps)) is not None:
+            remember(pair, config.block_size, warmed[len(ps)])
+        return run_batched(pair, ps, config, args.max_tokens)
+
     runners = {
-        "batched": lambda ps: run_batched(pair, ps, config, args.max_tokens),
+        "batched": batched,
         "fixed": lambda ps: run_batched(pair, ps, fixed, args.max_tokens),
         "serial": lambda ps: run_serial(pair, ps, config, args.max_tokens),
         "mlx-lm": lambda ps: run_mlx_lm(pair, ps, args.max_tokens),
     }
-    run_batched(pair, [chat_ids(pair, texts[0])] * 2, config, 4)  # warm-up: first-call costs
+    run_batched(pair, [chat_ids(pair, warm[0])] * 2, config, 4)  # warm-up: first-call costs
     rows = []
     for n in levels:
         prompts = [chat_ids(pair, texts[i % len(texts)]) for i in range(n)]
+        run_batched(pair, [chat_ids(pair, warm[i % len(warm)]) for i in range(n)], config,
+                    args.max_tokens)  # the controller measures this load on other prompts
+        warmed[n] = remembered(pair, config.block_size)
         tps = {k: [] for k in runners}
         mismatched = 0
         for r in range(args.repeats):

@@ -11,7 +11,9 @@ generation goes. Each sequence's tokens per speculative round
 `WidthControl.speculate` picks the faster kind for the whole batch:
 speculation at the configured width, or width 1 (plain decoding, no draft pass). While plain
 decoding wins it still probes speculation now and then, less often each time a probe shows it
-does not pay, so acceptance that returns is noticed.
+does not pay, so acceptance that returns is noticed. A batch starts from what the last batch
+of the same pair measured (`remembered`), so a new batch does not pay its first rounds to
+measure acceptance and round costs again.
 
 Output never depends on the choice: greedy tokens are the target's argmax at any width and
 sampling is exact at any width. Only a seeded sampling request must keep its widths fixed
@@ -20,6 +22,8 @@ sampling is exact at any width. Only a seeded sampling request must keep its wid
 
 from __future__ import annotations
 
+import copy
+import weakref
 from bisect import bisect_left
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -35,10 +39,12 @@ PROBE_EMA = 0.3  # a probe is the only news of acceptance while plain decoding r
 MARGIN = 0.05
 PROBE_FIRST = 4  # plain rounds before the first probe of speculation
 PROBE_MAX = 32  # then twice as many after each probe that did not pay, up to this many
-# ... and never so often that probes cost more than this share of plain decoding's time (a
-# probe of a wide batch loses more than one of a single sequence). 0.06, not 0.03: chosen on
-# the held-out prompts' recorded rounds, where an answer that starts with little acceptance
-# came back to speculation sooner (docs/measurements.md, 2026-12-05)
+# ... and never so often that probes cost more than this share of plain decoding's time,
+# divided by the batch's sequences: the wider the batch, the more rows a speculative pass
+# verifies per plain pass's row, so the less likely a probe finds speculation paying. 0.06,
+# not 0.03: chosen on the held-out prompts' recorded rounds, where an answer that starts with
+# little acceptance came back to speculation sooner; divided by the sequences: chosen on
+# held-out batches (docs/measurements.md, 2026-12-05 and 2026-12-06)
 PROBE_SHARE = 0.06
 
 
@@ -109,9 +115,11 @@ class WidthControl:
 
     One instance lives as long as its batch (or one `stream_generate` call); sequences come
     and go by their keys. `costs`: this machine's pass costs (None: round seconds measured).
+    `prior`: an earlier controller of the same pair on this machine, whose measured acceptance
+    and round seconds this one starts from (not its sequences).
     """
 
-    def __init__(self, costs: PassCosts | None = None):
+    def __init__(self, costs: PassCosts | None = None, prior: WidthControl | None = None):
         self.costs = costs
         self._width = _Mean(TAU_EMA)  # rows per sequence of a speculative verify pass
         self._spec: dict[int, _Fastest] = {}  # batch size -> seconds per speculative round
@@ -123,6 +131,14 @@ class WidthControl:
         self._wide = True  # what the last choice was
         self._catching_up = False  # this round's draft first takes the plain rounds' context
         self.plain_rounds = self.probes = 0  # what it did, for reports and tests
+        if prior is not None:
+            self._width, self._tau_all, self._spec, self._plain, self._probe = copy.deepcopy(
+                (prior._width, prior._tau_all, prior._spec, prior._plain, prior._probe))
+
+    @property
+    def measured(self) -> bool:
+        """Whether it has seen a speculative round (what a next batch could start from)."""
+        return self._tau_all.n > 0
 
     def speculate(self, keys: Sequence[Hashable], fixed: bool = False) -> bool:
         """Whether this round of the sequences `keys` speculates; `fixed`: it must (a seeded
@@ -148,7 +164,7 @@ class WidthControl:
         # (the last probe's seconds where timed: its draft also catches up on the plain rounds)
         probe = max(spec, self._probe.get(n, 0.0) * plain)
         loss = (probe - tokens * plain / n) / plain
-        if self._since >= max(self._wait, loss / PROBE_SHARE):  # has acceptance come back?
+        if self._since >= max(self._wait, loss * n / PROBE_SHARE):  # has acceptance come back?
             self._since, self._wait = 0, min(2 * self._wait, PROBE_MAX)
             self.probes += 1
             return self._spec_round()
@@ -212,3 +228,18 @@ class WidthControl:
     def forget(self, key: Hashable):
         """A sequence left."""
         self._tau.pop(key, None)
+
+
+# target -> {(draft, block size): the controller of its last batch}: measured things only
+_PAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def remembered(pair, block: int) -> WidthControl | None:
+    """The controller of `pair`'s last batch at this block size (None: none measured yet)."""
+    return _PAST.get(pair.target, {}).get((pair.draft_id, block))
+
+
+def remember(pair, block: int, control: WidthControl):
+    """Keep `control` for `pair`'s next batch, if it measured anything."""
+    if control.measured:
+        _PAST.setdefault(pair.target, {})[(pair.draft_id, block)] = control
