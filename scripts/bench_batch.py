@@ -16,7 +16,7 @@ Prompts: the first N of `--prompts`, by default the unseen file (scripts/prompts
 which no setting was chosen on; the width controller's rules are chosen on the held-out file.
 A batch's controller starts from what the pair's last batch measured (as a running server's
 does), so before each N, (a) runs once on N prompts of `--warm-prompts` (the held-out file):
-its first rounds at that load are not spent measuring on the reported prompts, and every
+its first rounds at that load do not time both kinds of rounds on the reported prompts, and every
 repeat starts from that run's measurements, not from an earlier repeat's.
 
     python scripts/bench_batch.py --max-tokens 96 --repeats 3 [--json out.json]

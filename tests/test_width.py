@@ -95,24 +95,31 @@ def test_a_probe_is_charged_what_it_cost():
 
 
 def test_a_controller_starts_from_its_prior():
-    """A new batch of the same pair starts from the last one's measured acceptance and round
-    costs: it decodes plainly from its first round where the last batch found speculation
-    not paying, and speculates at once where it paid; it keeps none of the last batch's
-    sequences (a key seen there borrows the mean, as a new sequence does)."""
+    """A new batch of the same pair starts from the last one's round costs, not its
+    acceptance (that belongs to the prompts): it measures its own in its first round, then
+    decides at once where a cold one would still time both kinds of rounds; it keeps none of
+    the last batch's sequences."""
     keys = list(range(4))
+
+    def first_rounds(control, tau, rounds):
+        assert control.speculate(keys) is True  # acceptance unknown: measured first
+        control.record(keys, True, None, [tau] * 4, 5)  # a first round times nothing
+        return [control.speculate(keys) for _ in range(rounds)]
+
     poor = WidthControl()
     run_rounds(poor, keys, 10, spec_s=3.0, plain_s=1.0, tau=lambda i: 1.2)
-    fresh, warm = WidthControl(), WidthControl(prior=poor)
-    assert fresh.speculate(keys) is True  # nothing measured: it measures first
-    assert [warm.speculate(keys) for _ in range(PROBE_FIRST)] == [False] * PROBE_FIRST
+    warm = WidthControl(prior=poor)
+    assert not warm._tau_all.n and not warm._tau
+    assert first_rounds(warm, 1.2, PROBE_FIRST) == [False] * PROBE_FIRST
+    assert first_rounds(WidthControl(), 1.2, 1) == [True]  # cold: speculation timed next
     good = WidthControl()
     run_rounds(good, keys, 10, spec_s=1.5, plain_s=1.0, tau=lambda i: 3)
-    assert WidthControl(prior=good).speculate(keys) is True
-    good._tau[0].value = 1.0  # one sequence missed: not the next batch's sequence 0
-    warm = WidthControl(prior=good)
-    assert warm.speculate([0]) is True and not warm._tau
-    run_rounds(warm, [0], 5, spec_s=1.0, plain_s=1.0, tau=lambda i: 1)
+    assert first_rounds(WidthControl(prior=good), 3, 3) == [True] * 3
+    # the same costs with this batch's prompts missing: plain from its second round
+    assert first_rounds(WidthControl(prior=good), 1.0, 2) == [False] * 2
+    run_rounds(WidthControl(prior=good), keys, 5, spec_s=1.0, plain_s=1.0, tau=lambda i: 1)
     assert good._tau_all.value == pytest.approx(3.0)  # the prior is copied, not shared
+    assert good._spec[4].value == pytest.approx(1.5)
 
 
 def test_returns_to_speculation_when_acceptance_comes_back():
@@ -368,23 +375,29 @@ def test_a_first_round_is_not_a_typical_cost_in_a_batch_as_alone(pairs, monkeypa
 
 
 def test_a_batch_starts_from_the_last_batch_of_its_pair(pairs, monkeypatch):
-    """`batch_generate` starts from what the pair's last batch at that block size measured:
-    where speculation did not pay, the next call's first round is already plain; another
-    block size starts cold. Output is the same either way."""
-    monkeypatch.setattr(batch_module, "WidthControl", Recording)
+    """`batch_generate` starts from the round costs the pair's last batch at that block size
+    measured: where speculation did not pay, the next call measures its acceptance in its
+    first round and decodes plainly from its second, where a cold batch still times a
+    speculative round; another block size starts cold. Output is the same either way."""
+
+    class Dear(Recording):  # a speculative round of two sequences costs 12 plain ones
+        def record(self, keys, speculated, seconds, committed=(), width=1):
+            seconds = seconds and (12.0 if speculated else 1.0)
+            super().record(keys, speculated, seconds, committed, width)
+
+    monkeypatch.setattr(batch_module, "WidthControl", Dear)
     monkeypatch.setattr(width_module, "_PAST", weakref.WeakKeyDictionary())
     pair = pairs["qwen3"][0]
-    # a speculative round of two sequences costs 12 plain ones: it cannot pay
-    dear = PassCosts(rows=((1, 1.0), (16, 16.0)), draft=1.0, block=5)
     prompts = [list(range(3, 20)), list(range(5, 14))]
-    outputs, firsts = [], []
+    outputs, seconds = [], []
     for block in (5, 5, 4):
-        config = SpeculationConfig(block_size=block, adaptive=True, pass_costs=dear)
+        config = SpeculationConfig(block_size=block, adaptive=True, pass_costs=None)
         Recording.log = []
         out = [[], []]
         for ev in batch_generate(pair, prompts, config, max_tokens=10):
             out[ev.index] += ev.tokens
         outputs.append(out)
-        firsts.append(Recording.log[0][1])
-    assert firsts == [True, False, True]  # measured, remembered, a new block size measures
+        seconds.append([kind for _, kind, _ in Recording.log[:2]])
+    # measured, remembered, a new block size measures
+    assert seconds == [[True, True], [True, False], [True, True]]
     assert outputs[0] == outputs[1] == outputs[2]

@@ -11,9 +11,9 @@ generation goes. Each sequence's tokens per speculative round
 `WidthControl.speculate` picks the faster kind for the whole batch:
 speculation at the configured width, or width 1 (plain decoding, no draft pass). While plain
 decoding wins it still probes speculation now and then, less often each time a probe shows it
-does not pay, so acceptance that returns is noticed. A batch starts from what the last batch
-of the same pair measured (`remembered`), so a new batch does not pay its first rounds to
-measure acceptance and round costs again.
+does not pay, so acceptance that returns is noticed. A batch starts from the round seconds
+the last batch of the same pair measured (`remembered`), so a new batch measures only its own
+acceptance (one speculative round), not the costs of both kinds of rounds again.
 
 Output never depends on the choice: greedy tokens are the target's argmax at any width and
 sampling is exact at any width. Only a seeded sampling request must keep its widths fixed
@@ -115,8 +115,9 @@ class WidthControl:
 
     One instance lives as long as its batch (or one `stream_generate` call); sequences come
     and go by their keys. `costs`: this machine's pass costs (None: round seconds measured).
-    `prior`: an earlier controller of the same pair on this machine, whose measured acceptance
-    and round seconds this one starts from (not its sequences).
+    `prior`: an earlier controller of the same pair on this machine, whose round seconds this
+    one starts from. Not its acceptance: that belongs to the prompts (one prompt's draft hits
+    1.0 tokens a round, another's 4), so a new batch still measures its own in its first round.
     """
 
     def __init__(self, costs: PassCosts | None = None, prior: WidthControl | None = None):
@@ -131,9 +132,9 @@ class WidthControl:
         self._wide = True  # what the last choice was
         self._catching_up = False  # this round's draft first takes the plain rounds' context
         self.plain_rounds = self.probes = 0  # what it did, for reports and tests
-        if prior is not None:
-            self._width, self._tau_all, self._spec, self._plain, self._probe = copy.deepcopy(
-                (prior._width, prior._tau_all, prior._spec, prior._plain, prior._probe))
+        if prior is not None:  # the machine's costs, not the prompts' acceptance
+            self._width, self._spec, self._plain, self._probe = copy.deepcopy(
+                (prior._width, prior._spec, prior._plain, prior._probe))
 
     @property
     def measured(self) -> bool:
