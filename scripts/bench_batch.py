@@ -111,7 +111,7 @@ def main():
         opened = open_engine(registry.resolve(args.model, args.draft, False),
                              EngineSettings(tree=0))
         texts = [turns[0] for turns in load_prompt_file(args.prompts)[1]]  # first turns
-        warm = [turns[0] for turns in load_prompt_file(args.warm_prompts)[1]]
+        warm = [turns[0] for turns in load_prompt_file(args.warm_prompts, "--warm-prompts")[1]]
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)

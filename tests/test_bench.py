@@ -204,6 +204,15 @@ def test_bad_prompt_files_are_one_line(tmp_path, content, msg):
         bench.load_prompt_file(path)
 
 
+def test_a_prompt_file_error_names_the_option_that_gave_it(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"")
+    with pytest.raises(bench.InvalidArgumentError, match=re.escape(f"--warm-prompts {path}: no")):
+        bench.load_prompt_file(path, "--warm-prompts")
+    with pytest.raises(bench.InvalidArgumentError, match="--warm-prompts .*cannot read"):
+        bench.load_prompt_file(tmp_path / "missing.jsonl", "--warm-prompts")
+
+
 def test_benchmark_on_a_prompt_file(tiny, isolated_cache, tmp_path):
     path, out = tmp_path / "own.jsonl", tmp_path / "card.json"
     path.write_text('{"prompt": "Name a colour."}\n"Count to three."\n{"prompt": "Hello"}\n')

@@ -46,17 +46,18 @@ def load_prompts(name: str) -> tuple[dict, list[list[str]]]:
     return meta, items
 
 
-def load_prompt_file(path: Path) -> tuple[dict, list[list[str]]]:
+def load_prompt_file(path: Path, option: str = "--prompts") -> tuple[dict, list[list[str]]]:
     """(metadata with the file's sha256, items) of a user's JSONL of prompts.
 
     A line is a JSON string (one user turn), or an object with `prompt` (one turn), `turns`
     (user turns in order) or `messages` (chat messages; the user turns are kept, as every later
-    turn follows the AR answer to the one before, like the bundled multi-turn sets).
+    turn follows the AR answer to the one before, like the bundled multi-turn sets). `option`:
+    the flag that named the file, for its errors.
     """
     from ..input_files import read_bytes
 
-    where = f"--prompts {path}"
-    raw = read_bytes(path, "--prompts")  # a FIFO or a folder: one line, never a wait
+    where = f"{option} {path}"
+    raw = read_bytes(path, option)  # a FIFO or a folder: one line, never a wait
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
