@@ -6,7 +6,8 @@ width (1: a plain decoding step inside the batch). The draft proposes for all ro
 sequence's `path_round`: the lookup and the confidence cut, the logits processors on each of
 its verify rows, greedy acceptance or exact rejection sampling, the stop rule. The target
 verifies every row in one pass of the widest row's width (shorter rows are padded; their
-padding is never read). Then each row keeps exactly what it accepted: its target cache row
+padding is never read, and the feed-forward blocks and head skip it: `models/packed.py`).
+Then each row keeps exactly what it accepted: its target cache row
 ends at its own new length (`RaggedKVCache.set_lengths`, in `finally`, so an exception leaves
 every row as it was), its taps wait for the next draft pass. A row with a grammar has its
 forbidden drafted tokens cut and its verify rows masked, as in `path_round`. A row whose
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..models.packed import packed
 from . import guards
 from .batch_cache import set_lengths
 from .batch_draft import draft_rows
@@ -136,7 +138,9 @@ def batch_round(pair, config, rows: list[Row], target_cache: list,
         for r, p, w in zip(rows, props, widths):
             last = mx.array([r.tokens[-1]], mx.int32)
             ids.append(mx.concatenate([last, p.tokens, mx.repeat(last, W - w)]))
-        logits, taps = pair.target(mx.stack(ids), target_cache, taps=draft_cache is not None)
+        with packed(pair.target, widths, W):  # the padding skips the feed-forward work
+            logits, taps = pair.target(mx.stack(ids), target_cache,
+                                       taps=draft_cache is not None)
         # each row's verify rows, within its grammar and through its own processors (row i
         # after drafted slots 1..i)
         rows_logits = []
