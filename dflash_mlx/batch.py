@@ -1,8 +1,9 @@
 """Many sequences at once: `Batch` (join, step, leave) and `batch_generate` on top of it.
 
-A `Batch` runs one speculative round for all its running sequences per `step()`: one draft pass
-and one target verify pass over every row (`speculate/batch_round.py`), each sequence accepting
-its own number of tokens. Sequences join between steps (`add`: their own prefill, then their
+A `Batch` runs one round for all its running sequences per `step()`: one draft pass and one
+target verify pass over every row (`speculate/batch_round.py`), each sequence accepting its own
+number of tokens; the width controller picks which sequences speculate in it and which decode
+plainly (`speculate/width.py`). Sequences join between steps (`add`: their own prefill, then their
 caches are copied into the batch's) and leave when they finish or are cancelled, so a server can
 schedule requests at round boundaries. Each sequence's events are what `stream_generate` would
 yield for it (`BatchEvent` is a `BlockEvent` plus the sequence's index), and its output is
@@ -118,7 +119,7 @@ class Batch:
         self._fresh: list[tuple[_Seq, Session, list[int]]] = []  # prefilled at the next step
         self._count = 0
         self._ahead: Ahead | None = None  # a plain round launched and not read yet
-        self._decided: bool | None = None  # the next round's kind, decided a step early
+        self._decided: list[bool] | None = None  # the next round's choice, a step early
         self._clock = ReadClock()  # plain rounds read ahead: what one costs
         self.target_cache = self.draft_cache = None
         # speculation or plain decoding, per round, from the costs measured at each batch size
@@ -275,20 +276,23 @@ class Batch:
             if any(not s.budget.produced for s in self._seqs):
                 seconds = None  # a first round (new shapes, a joiner's context): not typical
             rows = max(1 + len(r.drafted) for r in rounds)  # every row is padded to the widest
-            self.control.record(keys, wide, seconds, [len(r.tokens) for r in rounds], rows)
+            self.control.record(keys, [w > 1 for w in widths], seconds,
+                                [len(r.tokens) for r in rounds], rows)
         return failed + self._finish(rounds)
 
-    def _decide(self, keys: list[int]) -> bool:
-        """Whether the next round speculates (decided once per round, even across steps)."""
+    def _decide(self, keys: list[int]) -> list[bool]:
+        """Which sequences the next round speculates for (decided once per round, even
+        across steps)."""
         if self._decided is not None:
             wide, self._decided = self._decided, None
             return wide
-        fixed = any(s.fixed for s in self._seqs)
-        return self.control is None or self.control.speculate(keys, fixed)
+        if self.control is None:
+            return [True] * len(keys)
+        return self.control.choose(keys, any(s.fixed for s in self._seqs))
 
-    def _widths(self, wide: bool) -> list[int]:
-        return [min(s.block if wide else 1, s.budget.max_tokens - s.budget.produced)
-                for s in self._seqs]
+    def _widths(self, wide: list[bool]) -> list[int]:
+        return [min(s.block if w else 1, s.budget.max_tokens - s.budget.produced)
+                for s, w in zip(self._seqs, wide)]
 
     def _draw_keys(self, widths: list[int]):
         """This round's widths and random keys, per sequence."""

@@ -31,9 +31,9 @@ class Scripted:
     def __init__(self, script: list[bool]):
         self.script, self.n = script, 0
 
-    def speculate(self, keys, fixed=False) -> bool:
+    def choose(self, keys, fixed=False) -> list[bool]:
         self.n += 1
-        return self.script[(self.n - 1) % len(self.script)]
+        return [self.script[(self.n - 1) % len(self.script)]] * len(keys)
 
     def record(self, *args, **kwargs):
         pass

@@ -4,7 +4,10 @@ The controller's rule is checked with scripted round costs and acceptance: it me
 speculation, then plain decoding, then keeps the faster; a draft that stops paying moves it to
 plain decoding with probes that grow rarer, and a probe that finds acceptance back returns it
 to speculation; costs are kept per batch size, so one load can speculate while a heavier one
-decodes plainly. Exactness does not rest on the rule: with the choice made by a coin, greedy
+decodes plainly; a round speculates for the sequences whose draft pays and decodes the others
+plainly in it where that commits more per second (timed per (batch size, speculating
+sequences)), and those left out are probed. Exactness does not rest on the rule: with the
+choice made by a coin per sequence, greedy
 output still equals mlx-lm's plain decoding on every target family, alone and in a batch with
 joins and cancellations, and every batched row's cache equals a fresh prefill.
 """
@@ -165,19 +168,79 @@ def test_a_shrinking_batch_borrows_the_larger_size_cost_ratio():
     assert small.speculate(keys) is True  # nothing timed at 8 rows yet: measure it
 
 
+def drive(control, keys, rounds, seconds, tau):
+    """Drive `control` with rounds choosing per sequence; `seconds[k]`: a round where k
+    sequences speculate; `tau(i, key)`: what a speculating sequence commits at round i."""
+    choices = []
+    for i in range(rounds):
+        which = control.choose(keys)
+        control.record(keys, which, seconds[sum(which)],
+                       [tau(i, k) if w else 1 for k, w in zip(keys, which)], 5)
+        choices.append(tuple(which))
+    return choices
+
+
 def test_sequences_keep_their_own_acceptance():
-    """τ is per sequence: one sequence the draft predicts carries a batch whose other one it
-    misses only when its gain covers the cost; new sequences borrow the others' mean."""
+    """τ is per sequence, and a round speculates for the sequences whose gain covers their
+    rows: with "a" at τ 4 and "b" at 1, a round where only "a" speculates (1.2 plain rounds:
+    "b"'s row runs alone in the feed-forward blocks) commits 5 tokens, beating both
+    speculating (5 in 1.5) and plain decoding (2 in 1), in any key order. A new sequence
+    borrows the others' mean."""
     c = WidthControl()
-    for _ in range(10):
-        wide = c.speculate(["a", "b"])
-        c.record(["a", "b"], wide, 1.5 if wide else 1.0, [4, 1] if wide else [1, 1])
-    assert c.speculate(["a", "b"]) is True  # (4 + 1) / 1.5 > 2 / 1
+    keys = ["a", "b"]
+    seconds = {0: 1.0, 1: 1.2, 2: 1.5}
+    choices = drive(c, keys, 8, seconds, lambda i, k: 4 if k == "a" else 1)
+    choices += drive(c, keys[::-1], 2, seconds, lambda i, k: 4 if k == "a" else 1)
+    assert choices[:2] == [(True, True), (False, False)]  # each kind measured first
+    assert choices[2:] == [(True, False)] * 6 + [(False, True)] * 2
+    assert c.mixed_rounds == 8 and c._mixed[(2, 1)].value == 1.2  # timed like the others
     c.forget("a")
     for _ in range(10):  # alone with "c", which has no τ yet: it borrows b's (1)
-        wide = c.speculate(["b", "c"])
-        c.record(["b", "c"], wide, 1.5 if wide else 1.0, [1, 1] if wide else [1, 1])
+        which = c.choose(["b", "c"])
+        c.record(["b", "c"], which, 1.0 if not any(which) else 1.5, [1, 1], 5)
     assert c.plain_rounds >= 5
+
+
+def test_a_round_of_some_rows_that_costs_as_much_as_all_is_left():
+    """Not timed yet, a round of k speculating sequences out of n is guessed at k / n of the
+    way from a plain round to a speculative one; timed as dear as one of all (a target whose
+    layers could not skip the padding), every sequence speculates again."""
+    c = WidthControl()
+    choices = drive(c, ["a", "b"], 8, {0: 1.0, 1: 1.5, 2: 1.5},
+                    lambda i, k: 4 if k == "a" else 1)
+    assert choices[2:4] == [(True, False)] * 2  # tried (its first round catches up: untimed)
+    assert choices[4:] == [(True, True)] * 4  # 5 / 1.5 either way: all speculate
+
+
+def test_a_sequence_left_out_is_probed_and_joins_when_its_draft_hits():
+    """A sequence that decodes plainly beside speculating ones is probed like a batch that
+    decodes plainly (every sequence speculates in a probe), at most PROBE_SHARE / n of the
+    time; once its draft hits, it speculates again."""
+    c = WidthControl()
+
+    def tau(i, k):
+        return 4 if k == "a" or i >= 150 else 1
+
+    choices = drive(c, ["a", "b"], 400, {0: 1.0, 1: 1.2, 2: 1.5}, tau)
+    probes = [i for i, w in enumerate(choices[:150]) if w == (True, True)][1:]
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
+    # a probe loses 1.5 - 5 * 1.2 / 5 = 0.3 plain rounds: one per 0.3 * 2 / share rounds
+    assert len(gaps) >= 2 and min(gaps) >= 0.3 * 2 / PROBE_SHARE
+    assert all(w == (True, False) for i, w in enumerate(choices[:150]) if i not in probes
+               and i >= 2)
+    assert choices[-50:] == [(True, True)] * 50
+
+
+def test_measured_costs_speculate_for_some_rows():
+    """With pass costs: two sequences at τ 4 and 1 verify 6 rows where only the first
+    speculates (1.49 passes with the draft) against 10 (1.83): 5 / 1.49 beats 5 / 1.83 and
+    plain decoding's 2 / 1.05."""
+    c = WidthControl(CPU)
+    c.record(["a", "b"], True, None, [4, 1], 5)
+    assert c.choose(["a", "b"]) == [True, False]
+    for _ in range(9):  # the same costs, but "a" misses now: its τ falls to 1.3
+        c.record(["a", "b"], True, None, [1, 1], 5)
+    assert c.choose(["a", "b"]) == [False, False]
 
 
 def test_fixed_rounds_always_speculate_and_seconds_none_is_not_a_cost():
@@ -206,12 +269,13 @@ def test_seeded_sampling_keeps_fixed_widths(pairs):
 
 
 class Coin(WidthControl):
-    """Speculates or not at random: exactness must hold whatever the controller decides."""
+    """Speculates or not at random, per sequence: exactness must hold whatever the
+    controller decides (in a batch: every row, some rows, none)."""
 
     rng = random.Random(0)
 
-    def speculate(self, keys, fixed=False):
-        return fixed or self.rng.random() < 0.5
+    def choose(self, keys, fixed=False):
+        return [fixed or self.rng.random() < 0.5 for _ in keys]
 
 
 @pytest.fixture(scope="module")
@@ -270,11 +334,13 @@ def test_any_choice_in_a_batch_with_joins_and_cancels(pairs, family, monkeypatch
         pair.draft.plan = Plan(batch, oracles)
         for p in prompts[:3]:
             batch.add(p, max_tokens=28)
-        outs, kinds, step = {i: [] for i in range(4)}, set(), 0
+        outs, kinds, step, mixed = {i: [] for i in range(4)}, set(), 0, False
         while batch.running:
-            for ev in batch.step():
+            events = batch.step()
+            for ev in events:
                 outs[ev.index] += ev.tokens
                 kinds.add(ev.block_size > 1)
+            mixed |= len({ev.block_size > 1 for ev in events}) > 1
             step += 1
             if step == 2:
                 batch.add(prompts[3], max_tokens=28)
@@ -283,7 +349,7 @@ def test_any_choice_in_a_batch_with_joins_and_cancels(pairs, family, monkeypatch
                 outs.pop(1)
             check(batch)  # each batched row's cache is a fresh prefill
         pair.draft.plan = None
-        assert kinds == {True, False}
+        assert kinds == {True, False} and mixed  # some rounds held both kinds of rows
         for i, out in outs.items():
             assert out == reference(pair.target.model, prompts[i], 28), f"sequence {i}"
 
@@ -337,8 +403,14 @@ class Recording(WidthControl):
     log: list = []
 
     def record(self, keys, speculated, seconds, committed=(), width=1):
-        Recording.log.append((tuple(keys), speculated, seconds))
+        Recording.log.append((tuple(keys), kind(speculated), seconds))
         super().record(keys, speculated, seconds, committed, width)
+
+
+def kind(speculated) -> bool | str:
+    """A round's kind: True (all speculated), False (none) or "mixed"."""
+    flags = {speculated} if isinstance(speculated, bool) else set(speculated)
+    return flags.pop() if len(flags) == 1 else "mixed"
 
 
 def test_a_first_round_is_not_a_typical_cost_in_a_batch_as_alone(pairs, monkeypatch):
@@ -382,7 +454,7 @@ def test_a_batch_starts_from_the_last_batch_of_its_pair(pairs, monkeypatch):
 
     class Dear(Recording):  # a speculative round of two sequences costs 12 plain ones
         def record(self, keys, speculated, seconds, committed=(), width=1):
-            seconds = seconds and (12.0 if speculated else 1.0)
+            seconds = seconds and {True: 12.0, False: 1.0, "mixed": 6.5}[kind(speculated)]
             super().record(keys, speculated, seconds, committed, width)
 
     monkeypatch.setattr(batch_module, "WidthControl", Dear)
@@ -401,3 +473,41 @@ def test_a_batch_starts_from_the_last_batch_of_its_pair(pairs, monkeypatch):
     # measured, remembered, a new block size measures
     assert seconds == [[True, True], [True, False], [True, True]]
     assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_a_batch_speculates_for_the_sequence_its_draft_hits(pairs, monkeypatch):
+    """Two sequences, an oracle draft always right for one and always wrong for the other;
+    seconds faked as a packed pass costs (all speculate 1.5, one 1.2, none 1.0): the batch
+    settles on rounds where the first speculates and the second decodes plainly, and each
+    output is still its own greedy decoding."""
+
+    class Packed(Recording):
+        def record(self, keys, speculated, seconds, committed=(), width=1):
+            seconds = seconds and {True: 1.5, False: 1.0, "mixed": 1.2}[kind(speculated)]
+            super().record(keys, speculated, seconds, committed, width)
+
+    monkeypatch.setattr(batch_module, "WidthControl", Packed)
+    monkeypatch.setattr(width_module, "_PAST", weakref.WeakKeyDictionary())
+    pair = pairs["qwen3"][1]
+    config = SpeculationConfig(block_size=5, adaptive=True, pass_costs=None)
+    prompts = [list(range(3, 20)), list(range(5, 14))]
+    refs = [reference(pair.target.model, p, 40) for p in prompts]
+    batch = Batch(pair, config)
+    pair.draft.plan = Plan(batch, {i: Oracle(r, len(p), float(i), i)
+                                   for i, (p, r) in enumerate(zip(prompts, refs))})
+    Recording.log = []
+    try:
+        for p in prompts:
+            batch.add(p, max_tokens=40)
+        outs, rounds = [[], []], []
+        while batch.running:
+            events = batch.step()
+            for ev in events:
+                outs[ev.index] += ev.tokens
+            rounds.append({ev.index: ev.block_size > 1 for ev in events})
+    finally:
+        pair.draft.plan = None
+        batch.close()
+    assert outs == refs
+    assert sum(r == {0: True, 1: False} for r in rounds) >= 3
+    assert [k for _, k, _ in Recording.log].count("mixed") >= 3

@@ -8,10 +8,13 @@ curve, `cpu/cost.py`, timed once and cached), it is computed for the widths that
 measured; past them, and without one, the seconds of each kind of round are measured as
 generation goes. Each sequence's tokens per speculative round
 (τ) and the rows a speculative pass verifies are measured as it goes. Before every round
-`WidthControl.speculate` picks the faster kind for the whole batch:
-speculation at the configured width, or width 1 (plain decoding, no draft pass). While plain
-decoding wins it still probes speculation now and then, less often each time a probe shows it
-does not pay, so acceptance that returns is noticed. A batch starts from the round seconds
+`WidthControl.choose` picks which sequences speculate at the configured width and which
+decode plainly (width 1) inside the round: the k of highest τ, for the k whose round commits
+the most tokens per second (a batched pass runs a plain row's feed-forward work on its one
+row only, `models/packed.py`, so a round of some speculating rows costs less than one of all;
+such a round is timed per (batch size, k) like the others). While plain decoding wins it
+still probes speculation now and then, less often each time a probe shows it does not pay,
+so acceptance that returns is noticed. A batch starts from the round seconds
 the last batch of the same pair measured (`remembered`), so a new batch measures only its own
 acceptance (one speculative round), not the costs of both kinds of rounds again.
 
@@ -111,7 +114,7 @@ class _Fastest:
 
 
 class WidthControl:
-    """Chooses, round by round, between speculation and plain decoding for a batch.
+    """Chooses, round by round, which sequences of a batch speculate and which decode plainly.
 
     One instance lives as long as its batch (or one `stream_generate` call); sequences come
     and go by their keys. `costs`: this machine's pass costs (None: round seconds measured).
@@ -125,16 +128,17 @@ class WidthControl:
         self._width = _Mean(TAU_EMA)  # rows per sequence of a speculative verify pass
         self._spec: dict[int, _Fastest] = {}  # batch size -> seconds per speculative round
         self._plain: dict[int, _Fastest] = {}  # batch size -> seconds per plain round
+        self._mixed: dict[tuple[int, int], _Fastest] = {}  # (size, speculating) -> seconds
         self._probe: dict[int, float] = {}  # batch size -> its last probe, in plain rounds
         self._tau: dict[Hashable, _Mean] = {}  # sequence -> tokens per speculative round
         self._tau_all = _Mean(TAU_EMA)  # every sequence's, for those not measured yet
         self._wait, self._since = PROBE_FIRST, 0
         self._wide = True  # what the last choice was
         self._catching_up = False  # this round's draft first takes the plain rounds' context
-        self.plain_rounds = self.probes = 0  # what it did, for reports and tests
+        self.plain_rounds = self.mixed_rounds = self.probes = 0  # for reports and tests
         if prior is not None:  # the machine's costs, not the prompts' acceptance
-            self._width, self._spec, self._plain, self._probe = copy.deepcopy(
-                (prior._width, prior._spec, prior._plain, prior._probe))
+            self._width, self._spec, self._plain, self._mixed, self._probe = copy.deepcopy(
+                (prior._width, prior._spec, prior._plain, prior._mixed, prior._probe))
 
     @property
     def measured(self) -> bool:
@@ -142,34 +146,70 @@ class WidthControl:
         return self._tau_all.n > 0
 
     def speculate(self, keys: Sequence[Hashable], fixed: bool = False) -> bool:
-        """Whether this round of the sequences `keys` speculates; `fixed`: it must (a seeded
-        sampling request is in the batch)."""
+        """Whether every sequence of `keys` speculates this round (one sequence: whether it
+        does); `fixed`: they must (a seeded sampling request is in the batch)."""
+        return all(self.choose(keys, fixed))
+
+    def choose(self, keys: Sequence[Hashable], fixed: bool = False) -> list[bool]:
+        """Which of the sequences `keys` speculate this round; the others decode plainly in
+        it (width 1). `fixed`: all must (a seeded sampling request is in the batch).
+
+        Candidates are the rounds where the k sequences of highest τ speculate, k = 0..n; the
+        one committing the most tokens per second wins (a round of some speculating rows
+        costs what their rows and the others' single rows cost: `models/packed.py`)."""
         n = len(keys)
         if fixed or not self._tau_all.n:
-            return self._spec_round()  # measure acceptance first
+            return self._spec_round(n, n)  # measure acceptance first
         if self._costed(n):
             spec, plain = self.costs.round(n, self._width.value), self.costs.verify(n)
         else:
             spec, plain = self._timed(n)
             if spec is None:
-                return self._spec_round()  # measure speculation first
+                return self._spec_round(n, n)  # measure speculation first
             if plain is None:
-                return self._plain_round()  # then plain decoding, once
+                return self._plain_round(n)  # then plain decoding, once
         known = [self._tau[k].value for k in keys if k in self._tau]
         fill = sum(known) / len(known) if known else self._tau_all.value
-        tokens = sum(self._tau[k].value if k in self._tau else fill for k in keys)
-        if tokens / spec >= n / plain * (1 - MARGIN if self._wide else 1):
+        tau = [self._tau[k].value if k in self._tau else fill for k in keys]
+        order = sorted(range(n), key=lambda i: -tau[i])
+        tokens = [float(n)]  # committed by the round where the first k of `order` speculate
+        for i in order:
+            tokens.append(tokens[-1] + tau[i] - 1)
+        seconds = [plain] + [self._mixed_s(n, k, spec, plain) for k in range(1, n)] + [spec]
+        # leave speculation only when clearly behind: plain decoding's rate, discounted
+        rates = [t / s for t, s in zip(tokens, seconds)]
+        rates[0] *= 1 - MARGIN if self._wide else 1
+        best = max(range(n + 1), key=lambda k: (rates[k], k))
+        if best == n:
             self._wait, self._since = PROBE_FIRST, 0
-            return self._spec_round()
-        # what a probe loses against plain rounds committing the same tokens, in plain rounds
-        # (the last probe's seconds where timed: its draft also catches up on the plain rounds)
+            return self._spec_round(n, n)
+        # what a probe (every sequence speculates) loses against the chosen round committing
+        # the same tokens, in plain rounds (the last probe's seconds where timed: its draft
+        # also catches up on the plain rounds)
         probe = max(spec, self._probe.get(n, 0.0) * plain)
-        loss = (probe - tokens * plain / n) / plain
+        loss = (probe - tokens[n] * seconds[best] / tokens[best]) / plain
         if self._since >= max(self._wait, loss * n / PROBE_SHARE):  # has acceptance come back?
             self._since, self._wait = 0, min(2 * self._wait, PROBE_MAX)
             self.probes += 1
-            return self._spec_round()
-        return self._plain_round()
+            return self._spec_round(n, n)
+        if best == 0:
+            return self._plain_round(n)
+        self._since += 1
+        self.mixed_rounds += 1
+        chosen = set(order[:best])
+        return self._spec_round(n, best, [i in chosen for i in range(n)])
+
+    def _mixed_s(self, n: int, k: int, spec: float, plain: float) -> float:
+        """A round of n sequences, k of them speculating: from the pass costs (every row's
+        draft pass counted, as in a speculative round), or as timed, or, not timed yet, a
+        share of the way from a plain round to a speculative one as k is of n (a guess on the
+        cheap side: such a round is tried once and then known)."""
+        if self._costed(n):
+            w = self._width.value
+            return spec - self.costs.verify(n * w) + self.costs.verify(k * w + n - k)
+        if (n, k) in self._mixed:
+            return self._mixed[(n, k)].value
+        return plain + (spec - plain) * k / n
 
     def _costed(self, n: int) -> bool:
         """Whether a speculative round of n sequences is within the measured pass costs: past
@@ -194,37 +234,43 @@ class WidthControl:
             return (plain or 1.0) * ratio, plain or 1.0
         return spec, spec / ratio
 
-    def _spec_round(self) -> bool:
+    def _spec_round(self, n: int, k: int, which: list[bool] | None = None) -> list[bool]:
         # after plain rounds the draft first catches up on their context: not a typical cost
         self._catching_up = not self._wide
         self._wide = True
-        return True
+        return which or [True] * n
 
-    def _plain_round(self) -> bool:
+    def _plain_round(self, n: int) -> list[bool]:
         self._since += 1
         self.plain_rounds += 1
         self._wide = False
-        return False
+        return [False] * n
 
-    def record(self, keys: Sequence[Hashable], speculated: bool, seconds: float | None,
-               committed: Sequence[int] = (), width: int = 1):
-        """One round's outcome: its seconds (None: not typical, e.g. a draft catching up on
-        a whole prompt) and, when it speculated, each sequence's committed token count and
-        the rows per sequence its verify pass ran (padding included)."""
+    def record(self, keys: Sequence[Hashable], speculated: bool | Sequence[bool],
+               seconds: float | None, committed: Sequence[int] = (), width: int = 1):
+        """One round's outcome: which sequences speculated (one bool: all or none), its
+        seconds (None: not typical, e.g. a draft catching up on a whole prompt), each
+        sequence's committed token count and the rows per sequence its verify pass ran
+        (padding included)."""
+        n = len(keys)
+        which = [speculated] * n if isinstance(speculated, bool) else list(speculated)
+        k = sum(which)
         weight = None
-        if speculated and self._catching_up:
-            plain = self._plain.get(len(keys))
-            if seconds is not None and seconds > 0 and plain is not None:
-                self._probe[len(keys)] = seconds / plain.value
+        if k and self._catching_up:
+            plain = self._plain.get(n)
+            if k == n and seconds is not None and seconds > 0 and plain is not None:
+                self._probe[n] = seconds / plain.value
             seconds, weight = None, PROBE_EMA
-        if seconds is not None and seconds > 0 and not self._costed(len(keys)):
-            table = self._spec if speculated else self._plain
-            table.setdefault(len(keys), _Fastest()).feed(seconds)
-        if speculated:
+        if seconds is not None and seconds > 0 and not self._costed(n):
+            table, size = ((self._spec, n) if k == n else (self._plain, n) if not k
+                           else (self._mixed, (n, k)))
+            table.setdefault(size, _Fastest()).feed(seconds)
+        if k:
             self._width.feed(width)
-            for k, c in zip(keys, committed):
-                self._tau.setdefault(k, _Mean(TAU_EMA)).feed(c, weight)
-                self._tau_all.feed(c)
+            for key, c, spec in zip(keys, committed, which):
+                if spec:  # a plain row's one token says nothing of its draft
+                    self._tau.setdefault(key, _Mean(TAU_EMA)).feed(c, weight)
+                    self._tau_all.feed(c)
 
     def forget(self, key: Hashable):
         """A sequence left."""
