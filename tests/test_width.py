@@ -407,6 +407,17 @@ class Recording(WidthControl):
         super().record(keys, speculated, seconds, committed, width)
 
 
+def faked(seconds: dict) -> type:
+    """A recording controller whose timed rounds take `seconds[kind]` (a plain round 1.0)."""
+
+    class Faked(Recording):
+        def record(self, keys, speculated, secs, committed=(), width=1):
+            secs = secs and {False: 1.0, **seconds}[kind(speculated)]
+            super().record(keys, speculated, secs, committed, width)
+
+    return Faked
+
+
 def kind(speculated) -> bool | str:
     """A round's kind: True (all speculated), False (none) or "mixed"."""
     flags = {speculated} if isinstance(speculated, bool) else set(speculated)
@@ -445,19 +456,14 @@ def test_a_first_round_is_not_a_typical_cost_in_a_batch_as_alone(pairs, monkeypa
     assert [secs is None for _, _, secs in Recording.log] == [True, False, True]
 
 
-
 def test_a_batch_starts_from_the_last_batch_of_its_pair(pairs, monkeypatch):
     """`batch_generate` starts from the round costs the pair's last batch at that block size
     measured: where speculation did not pay, the next call measures its acceptance in its
     first round and decodes plainly from its second, where a cold batch still times a
     speculative round; another block size starts cold. Output is the same either way."""
 
-    class Dear(Recording):  # a speculative round of two sequences costs 12 plain ones
-        def record(self, keys, speculated, seconds, committed=(), width=1):
-            seconds = seconds and {True: 12.0, False: 1.0, "mixed": 6.5}[kind(speculated)]
-            super().record(keys, speculated, seconds, committed, width)
-
-    monkeypatch.setattr(batch_module, "WidthControl", Dear)
+    # a speculative round of two sequences costs 12 plain ones
+    monkeypatch.setattr(batch_module, "WidthControl", faked({True: 12.0, "mixed": 6.5}))
     monkeypatch.setattr(width_module, "_PAST", weakref.WeakKeyDictionary())
     pair = pairs["qwen3"][0]
     prompts = [list(range(3, 20)), list(range(5, 14))]
@@ -481,12 +487,7 @@ def test_a_batch_speculates_for_the_sequence_its_draft_hits(pairs, monkeypatch):
     settles on rounds where the first speculates and the second decodes plainly, and each
     output is still its own greedy decoding."""
 
-    class Packed(Recording):
-        def record(self, keys, speculated, seconds, committed=(), width=1):
-            seconds = seconds and {True: 1.5, False: 1.0, "mixed": 1.2}[kind(speculated)]
-            super().record(keys, speculated, seconds, committed, width)
-
-    monkeypatch.setattr(batch_module, "WidthControl", Packed)
+    monkeypatch.setattr(batch_module, "WidthControl", faked({True: 1.5, "mixed": 1.2}))
     monkeypatch.setattr(width_module, "_PAST", weakref.WeakKeyDictionary())
     pair = pairs["qwen3"][1]
     config = SpeculationConfig(block_size=5, adaptive=True, pass_costs=None)
