@@ -3,9 +3,9 @@
 A `Batch` runs one round for all its running sequences per `step()`: one draft pass and one
 target verify pass over every row (`speculate/batch_round.py`), each sequence accepting its own
 number of tokens; the width controller picks which sequences speculate in it and which decode
-plainly (`speculate/width.py`). Sequences join between steps (`add`: their own prefill, then their
-caches are copied into the batch's) and leave when they finish or are cancelled, so a server can
-schedule requests at round boundaries. Each sequence's events are what `stream_generate` would
+plainly (`speculate/width.py`). Sequences join between steps (`add`: their own prefill, then
+their caches are copied into the batch's) and leave when they finish or are cancelled, so a
+server can schedule requests at round boundaries. Each sequence's events are what `stream_generate` would
 yield for it (`BatchEvent` is a `BlockEvent` plus the sequence's index), and its output is
 exactly the target's: greedy output equals its own single-sequence run, sampling follows the
 target's distribution.

@@ -7,9 +7,9 @@ to speculation; costs are kept per batch size, so one load can speculate while a
 decodes plainly; a round speculates for the sequences whose draft pays and decodes the others
 plainly in it where that commits more per second (timed per (batch size, speculating
 sequences)), and those left out are probed. Exactness does not rest on the rule: with the
-choice made by a coin per sequence, greedy
-output still equals mlx-lm's plain decoding on every target family, alone and in a batch with
-joins and cancellations, and every batched row's cache equals a fresh prefill.
+choice made by a coin per sequence, greedy output still equals mlx-lm's plain decoding on
+every target family, alone and in a batch with joins and cancellations, and every batched
+row's cache equals a fresh prefill.
 """
 
 from __future__ import annotations

@@ -82,8 +82,8 @@ def packed(target, widths: list[int], width: int):
     rows = _Rows(widths, width)
     saved = [(parent, key, parent[key]) for parent, key in _slots(target)]
     try:
-        for parent, key, module in saved:
-            parent[key] = _Packed(module, rows, head_only=key == "embed_tokens")  # item assignment: nn.Module is a dict
+        for parent, key, module in saved:  # item assignment: nn.Module is a dict
+            parent[key] = _Packed(module, rows, head_only=key == "embed_tokens")
         yield
     finally:
         for parent, key, module in reversed(saved):

@@ -159,13 +159,13 @@ class WidthControl:
         costs what their rows and the others' single rows cost: `models/packed.py`)."""
         n = len(keys)
         if fixed or not self._tau_all.n:
-            return self._spec_round(n, n)  # measure acceptance first
+            return self._spec_round(n)  # measure acceptance first
         if self._costed(n):
             spec, plain = self.costs.round(n, self._width.value), self.costs.verify(n)
         else:
             spec, plain = self._timed(n)
             if spec is None:
-                return self._spec_round(n, n)  # measure speculation first
+                return self._spec_round(n)  # measure speculation first
             if plain is None:
                 return self._plain_round(n)  # then plain decoding, once
         known = [self._tau[k].value for k in keys if k in self._tau]
@@ -182,7 +182,7 @@ class WidthControl:
         best = max(range(n + 1), key=lambda k: (rates[k], k))
         if best == n:
             self._wait, self._since = PROBE_FIRST, 0
-            return self._spec_round(n, n)
+            return self._spec_round(n)
         # what a probe (every sequence speculates) loses against the chosen round committing
         # the same tokens, in plain rounds (the last probe's seconds where timed: its draft
         # also catches up on the plain rounds)
@@ -191,13 +191,13 @@ class WidthControl:
         if self._since >= max(self._wait, loss * n / PROBE_SHARE):  # has acceptance come back?
             self._since, self._wait = 0, min(2 * self._wait, PROBE_MAX)
             self.probes += 1
-            return self._spec_round(n, n)
+            return self._spec_round(n)
         if best == 0:
             return self._plain_round(n)
         self._since += 1
         self.mixed_rounds += 1
         chosen = set(order[:best])
-        return self._spec_round(n, best, [i in chosen for i in range(n)])
+        return self._spec_round(n, [i in chosen for i in range(n)])
 
     def _mixed_s(self, n: int, k: int, spec: float, plain: float) -> float:
         """A round of n sequences, k of them speculating: from the pass costs (every row's
@@ -234,7 +234,7 @@ class WidthControl:
             return (plain or 1.0) * ratio, plain or 1.0
         return spec, spec / ratio
 
-    def _spec_round(self, n: int, k: int, which: list[bool] | None = None) -> list[bool]:
+    def _spec_round(self, n: int, which: list[bool] | None = None) -> list[bool]:
         # after plain rounds the draft first catches up on their context: not a typical cost
         self._catching_up = not self._wide
         self._wide = True
