@@ -5,10 +5,10 @@ target verify pass over every row (`speculate/batch_round.py`), each sequence ac
 number of tokens; the width controller picks which sequences speculate in it and which decode
 plainly (`speculate/width.py`). Sequences join between steps (`add`: their own prefill, then
 their caches are copied into the batch's) and leave when they finish or are cancelled, so a
-server can schedule requests at round boundaries. Each sequence's events are what `stream_generate` would
-yield for it (`BatchEvent` is a `BlockEvent` plus the sequence's index), and its output is
-exactly the target's: greedy output equals its own single-sequence run, sampling follows the
-target's distribution.
+server can schedule requests at round boundaries. Each sequence's events are what
+`stream_generate` would yield for it (`BatchEvent` is a `BlockEvent` plus the sequence's index),
+and its output is exactly the target's: greedy output equals its own single-sequence run,
+sampling follows the target's distribution.
 
 Targets whose caches are plain KV, sliding-window (rotating) and GatedDeltaNet (recurrent)
 caches run batched (a window is the mask's in a batch: `speculate/batch_window.py`; a
