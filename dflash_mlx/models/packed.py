@@ -60,8 +60,8 @@ class _Packed:
 
 
 def _slots(target) -> list[tuple[object, str]]:
-    """(parent, key) of every module a packed pass swaps: the layers' `mlp`s, the head."""
-    out = [(layer, "mlp") for layer in target.layers if "mlp" in layer]
+    """(parent, key) of every module a packed target pass swaps: the layers' `mlp`s, the head."""
+    out = _mlps(target.layers)
     head = target.head_module
     for parent in (target.model, getattr(target.model, "language_model", None),
                    getattr(target.model, "model", None),
@@ -72,15 +72,17 @@ def _slots(target) -> list[tuple[object, str]]:
     return out
 
 
+def _mlps(layers) -> list[tuple[object, str]]:
+    return [(layer, "mlp") for layer in layers if "mlp" in layer]
+
+
 @contextmanager
-def packed(target, widths: list[int], width: int):
-    """Run `target`'s feed-forward blocks and head on the real rows of the next (B, `width`)
-    pass, sequence b's first `widths[b]` positions; nothing is swapped when nothing is padded."""
-    if all(w == width for w in widths):
+def _swapped(slots: list[tuple[object, str]], widths: list[int], width: int):
+    if all(w == width for w in widths):  # nothing padded: nothing to skip
         yield
         return
     rows = _Rows(widths, width)
-    saved = [(parent, key, parent[key]) for parent, key in _slots(target)]
+    saved = [(parent, key, parent[key]) for parent, key in slots]
     try:
         for parent, key, module in saved:  # item assignment: nn.Module is a dict
             parent[key] = _Packed(module, rows, head_only=key == "embed_tokens")
@@ -88,3 +90,16 @@ def packed(target, widths: list[int], width: int):
     finally:
         for parent, key, module in reversed(saved):
             parent[key] = module
+
+
+def packed(target, widths: list[int], width: int):
+    """Run `target`'s feed-forward blocks and head on the real rows of the next (B, `width`)
+    pass, sequence b's first `widths[b]` positions."""
+    return _swapped(_slots(target), widths, width)
+
+
+def packed_layers(layers, widths: list[int], width: int):
+    """The same for a draft's layers (their `mlp`s): its block's rows of a sequence that
+    drafts nothing this round are not needed at all (the context it absorbs goes through
+    the attention's keys and values, not these)."""
+    return _swapped(_mlps(layers), widths, width)

@@ -5,7 +5,9 @@ call each layer's `self_attn` is swapped, per instance, for `_RowsAttention`, wh
 projections, norms and RoPE over a `RaggedContextCache` at per-row positions and masks each
 row to its own context and block (restored in `finally`; the draft class is never patched).
 Rows bring different numbers of new context rows (the taps of what each sequence accepted last
-round): they come padded to the longest and each row keeps its own count.
+round): they come padded to the longest and each row keeps its own count. A row that drafts
+nothing this round (it decodes plainly in it) still absorbs its context; its block's slots
+skip the feed-forward blocks (`models/packed.py`).
 
 What the draft proposes never changes what the target accepts: these numbers only move the
 acceptance rate, never the output.
@@ -18,6 +20,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 
 from ..models.block_attention import block_attention
+from ..models.packed import packed_layers
 from .batch_cache import RaggedContextCache
 from .proposal import full_block
 
@@ -83,10 +86,12 @@ def pad_context(pending: list[mx.array | None]) -> tuple[mx.array | None, list[i
 
 
 def draft_rows(draft, block_ids: mx.array, pending: list[mx.array | None],
-               caches: list[RaggedContextCache]) -> mx.array:
+               caches: list[RaggedContextCache], drafting: list[bool] | None = None
+               ) -> mx.array:
     """Hidden states (B, L, H) of every slot of `block_ids` (B, L), drafted at the trained
-    width; the caches absorb each row's pending taps. If the pass fails, every row's cache is
-    back where it was (its taps stay pending)."""
+    width; the caches absorb each row's pending taps. `drafting`: the rows whose proposals
+    are read (the others' slots skip the feed-forward work; None: all). If the pass fails,
+    every row's cache is back where it was (its taps stay pending)."""
     if not draft.is_bound:
         raise RuntimeError("draft is not bound to a target; call bind(target) first")
     context, counts = pad_context(pending)
@@ -94,8 +99,11 @@ def draft_rows(draft, block_ids: mx.array, pending: list[mx.array | None],
     try:
         for c in caches:
             c.incoming = list(counts)
-        with _rows_attention(draft):
-            hidden = draft(full_block(draft, block_ids), context, caches)
+        block = full_block(draft, block_ids)
+        width = block.shape[1]
+        real = [width if d else 1 for d in drafting or [True] * block.shape[0]]
+        with _rows_attention(draft), packed_layers(draft.layers, real, width):
+            hidden = draft(block, context, caches)
         return hidden[:, : block_ids.shape[1]]
     except BaseException:
         for c, s in zip(caches, snaps):

@@ -73,7 +73,8 @@ def _propose(pair, config, rows: list[Row], draft_cache) -> list[_Proposal]:
     mask = draft.config.mask_token_id
     block = mx.array([[r.tokens[-1]] + [mask] * (width - 1) for r in rows])
     # every row absorbs its pending taps (a width-1 row too: it would later anyway)
-    hidden = draft_rows(draft, block, [r.pending for r in rows], draft_cache)[:, 1:]
+    hidden = draft_rows(draft, block, [r.pending for r in rows], draft_cache,
+                        [r.width > 1 and not r.req.lookup_only for r in rows])[:, 1:]
     for r in rows:
         r.pending = None
     if draft.config.is_dflash2:  # the selector walks each row's own path
