@@ -244,14 +244,19 @@ def test_heads_the_ranks_cannot_split_are_refused(tmp_path):
 
 def test_a_served_generation_is_described_exactly():
     """What rank 0 sends the other ranks: JSON that gives back the same ids, sampling and
-    speculation config (a seed up to 2**64-1, floats bit for bit, verify_pad's int keys)."""
+    speculation config (a seed up to 2**64-1, floats bit for bit, verify_pad's int keys, the
+    pass costs)."""
     from dflash_mlx.speculate import SamplingParams, SpeculationConfig
     from dflash_mlx.speculate.grammar import Constraint
     from dflash_mlx.speculate.processors import Processing
     from dflash_mlx.server.follower import _config, _sampling, describe
 
+    from dflash_mlx.speculate.width import PassCosts
+
+    # with this machine's pass costs (a cost curve that timed cleanly): once refused by JSON
+    costs = PassCosts(((1, 1.0), (4, 1.0 + 0.26), (8, 1.43)), draft=0.1 + 0.14, block=5)
     conf = SpeculationConfig(block_size=5, min_confidence=0.1 + 0.2, verify_pad={3: 4, 5: 8},
-                             draft_window=64, fallback_after=16)
+                             draft_window=64, fallback_after=16, pass_costs=costs)
     sampling = SamplingParams(temperature=0.7, top_p=0.9, seed=2**64 - 1, min_p=0.1 + 0.2,
                               processing=Processing(repetition_penalty=1.1,
                                                     logit_bias={7: -2.5, 300: 1.0}),

@@ -32,6 +32,7 @@ from ..generate import Session, stream_generate
 from ..speculate import SamplingParams, SpeculationConfig
 from ..speculate.grammar import Constraint
 from ..speculate.processors import Processing
+from ..speculate.width import PassCosts
 from .worker import Worker
 
 
@@ -69,7 +70,10 @@ def describe(ids: list[int], sampling: SamplingParams, max_tokens: int,
              config: SpeculationConfig, session: int) -> dict:
     """A generation as JSON: ints stay exact at any size, floats round-trip by repr. Maps
     with int keys go as pairs (JSON keys would become strings)."""
-    conf = {**_fields(config), "verify_pad": sorted(config.verify_pad.items())}
+    costs = config.pass_costs and {**_fields(config.pass_costs),
+                                   "rows": [list(r) for r in config.pass_costs.rows]}
+    conf = {**_fields(config), "verify_pad": sorted(config.verify_pad.items()),
+            "pass_costs": costs}
     processing = _fields(sampling.processing)
     processing["logit_bias"] = sorted(processing["logit_bias"].items())
     constraint = None if sampling.constraint is None else _fields(sampling.constraint)
@@ -79,8 +83,11 @@ def describe(ids: list[int], sampling: SamplingParams, max_tokens: int,
 
 
 def _config(conf: dict) -> SpeculationConfig:
+    costs = conf["pass_costs"] and PassCosts(**{**conf["pass_costs"], "rows": tuple(
+        (int(r), float(c)) for r, c in conf["pass_costs"]["rows"])})
     return SpeculationConfig(**{**conf, "verify_pad": {int(w): int(p)
-                                                        for w, p in conf["verify_pad"]}})
+                                                        for w, p in conf["verify_pad"]},
+                                "pass_costs": costs})
 
 
 def _sampling(params: dict) -> SamplingParams:
