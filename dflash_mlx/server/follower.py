@@ -70,10 +70,8 @@ def describe(ids: list[int], sampling: SamplingParams, max_tokens: int,
              config: SpeculationConfig, session: int) -> dict:
     """A generation as JSON: ints stay exact at any size, floats round-trip by repr. Maps
     with int keys go as pairs (JSON keys would become strings)."""
-    costs = config.pass_costs and {**_fields(config.pass_costs),
-                                   "rows": [list(r) for r in config.pass_costs.rows]}
     conf = {**_fields(config), "verify_pad": sorted(config.verify_pad.items()),
-            "pass_costs": costs}
+            "pass_costs": config.pass_costs and _fields(config.pass_costs)}
     processing = _fields(sampling.processing)
     processing["logit_bias"] = sorted(processing["logit_bias"].items())
     constraint = None if sampling.constraint is None else _fields(sampling.constraint)
