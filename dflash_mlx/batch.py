@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.generate import wired_limit
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from .batch_prefill import groups, join_rows, let_go, prefill_together, write_back
+from .batch_prefill import (groups, join_rows, let_go, prefill_together, serial_reason,
+                            write_back)
 from .errors import InvalidArgumentError
 from .generate import (
     BlockEvent,
@@ -44,7 +44,6 @@ from .generate import (
     start,
 )
 from .inputs import encode_prompt
-from .models.hybrid import HybridTarget
 from .speculate import SamplingParams, SpeculationConfig, guards
 from .speculate.batch_cache import filter_rows, row_lengths, set_lengths
 from .speculate.batch_window import ragged_caches
@@ -62,20 +61,6 @@ class BatchEvent(BlockEvent):
 
     index: int = -1  # the sequence, as `Batch.add` numbered it
     error: Exception | None = None  # its round failed (finish_reason "error"): it alone ended
-
-
-def serial_reason(pair) -> str | None:
-    """Why `pair`'s sequences cannot share one target pass (None: they can)."""
-    kinds = set(pair.target.cache_types)
-    if kinds <= {KVCache, RotatingKVCache}:
-        return None  # sliding windows are the mask's in a batch (`batch_window.py`)
-    if kinds == {KVCache, ArraysCache} and isinstance(pair.target, HybridTarget):
-        return None  # each row replays its accepted steps (`batch_state.py`)
-    if ArraysCache in kinds:
-        return ("these recurrent caches roll back per sequence; "
-                "its sequences run one after another")
-    names = ", ".join(sorted(k.__name__ for k in kinds - {KVCache}))
-    return f"{names} caches are not batched; its sequences run one after another"
 
 
 @dataclass

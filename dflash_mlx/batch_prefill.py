@@ -1,5 +1,5 @@
 """Sequences joining a batch (fresh prompts prefilled in shared target passes, rows copied
-in) and leaving it for their sessions.
+in) and leaving it for their sessions; `serial_reason`: targets whose rows cannot be joined.
 
 One prompt at a time, a batch of N new requests pays N prefill passes whose rows are few; on
 a CPU (or a GPU) a pass of N prompts' rows costs much less than N passes. Here the prompts go
@@ -18,13 +18,28 @@ prompt is not padded through a long one's passes.
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from .generate import Session, _feed_draft, prefill_step
+from .models.hybrid import HybridTarget
 from .speculate.batch_cache import row_lengths, set_lengths
 from .speculate.batch_window import ragged_caches
 
 MIN_CHUNK = 32  # columns per row and pass, however many rows
+
+
+def serial_reason(pair) -> str | None:
+    """Why `pair`'s sequences cannot share one target pass (None: they can)."""
+    kinds = set(pair.target.cache_types)
+    if kinds <= {KVCache, RotatingKVCache}:
+        return None  # sliding windows are the mask's in a batch (`batch_window.py`)
+    if kinds == {KVCache, ArraysCache} and isinstance(pair.target, HybridTarget):
+        return None  # each row replays its accepted steps (`batch_state.py`)
+    if ArraysCache in kinds:
+        return ("these recurrent caches roll back per sequence; "
+                "its sequences run one after another")
+    names = ", ".join(sorted(k.__name__ for k in kinds - {KVCache}))
+    return f"{names} caches are not batched; its sequences run one after another"
 
 
 def groups(lengths: list[int], slack: int = 64) -> list[list[int]]:

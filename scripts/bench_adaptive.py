@@ -6,6 +6,8 @@ default). Each repeat runs the three settings on the prompt in rotated order; a 
 tokens/s on a prompt is the median over repeats of its tokens over its decode seconds
 (prefill excluded). Reported: per prompt the ratio to AR, then the mean of the ratios, the
 lowest, and how many prompts fall below 0.97x. Outputs must equal AR token for token.
+`--control` also runs AR a second time as its own setting: its ratio to the first AR is this
+host's noise on a per-prompt ratio (how many prompts fall below 0.97x with no change at all).
 
 The rule's constants are chosen on the held-out file (the default); the unseen file only
 reports:
@@ -52,6 +54,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--control", action="store_true",
+                    help="also run AR again: the noise of a per-prompt ratio on this host")
     a = ap.parse_args()
     try:
         spec = registry.resolve(a.model, a.draft, False)
@@ -63,7 +67,10 @@ def main() -> None:
     pair, config = opened.pair, opened.config
     settings = {"AR": config.replace(block_size=1), "fixed": config.replace(adaptive=False),
                 "adaptive": config.replace(adaptive=True)}
+    if a.control:
+        settings["AR again"] = settings["AR"]
     names = list(settings)
+    compared = names[1:]
     print(f"{spec.target} + {spec.draft}: {len(texts)} prompts from {a.prompts.name}, "
           f"{a.max_tokens} tokens, {a.repeats} repeats, block {config.block_size}", flush=True)
     costs = config.pass_costs
@@ -87,15 +94,15 @@ def main() -> None:
                     diffs += 1
         med = {k: statistics.median(v) for k, v in tps.items()}
         rows.append({"prompt": i, **{f"{k}_tps": round(v, 2) for k, v in med.items()},
-                     "fixed_vs_ar": med["fixed"] / med["AR"],
-                     "adaptive_vs_ar": med["adaptive"] / med["AR"],
+                     **{f"{k}_vs_ar": med[k] / med["AR"] for k in compared},
                      "adaptive_speculating": statistics.mean(spec_share)})
         r = rows[-1]
-        print(f"{i:3d}  AR {med['AR']:5.1f}  fixed {r['fixed_vs_ar']:.3f}x  adaptive "
-              f"{r['adaptive_vs_ar']:.3f}x  (speculating {100 * r['adaptive_speculating']:.0f}% "
-              f"of rounds)", flush=True)
+        print(f"{i:3d}  AR {med['AR']:5.1f}  " + "  ".join(
+            f"{k} {r[f'{k}_vs_ar']:.3f}x" for k in compared)
+            + f"  (adaptive speculating {100 * r['adaptive_speculating']:.0f}% of rounds)",
+            flush=True)
     summary = {}
-    for k in ("fixed", "adaptive"):
+    for k in compared:
         ratios = [r[f"{k}_vs_ar"] for r in rows]
         summary[k] = {"mean": statistics.mean(ratios), "min": min(ratios),
                       "below_floor": sum(x < FLOOR for x in ratios)}
