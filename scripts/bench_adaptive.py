@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--draft", default=None)
     ap.add_argument("--prompts", type=Path, default=HELDOUT)
     ap.add_argument("--num-prompts", type=int, default=None, help="only the first N prompts")
+    ap.add_argument("--skip", type=int, default=0, help="start at prompt K (counted from 0)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -60,7 +61,7 @@ def main() -> None:
     try:
         spec = registry.resolve(a.model, a.draft, False)
         opened = open_engine(spec, EngineSettings(tree=0))
-        texts = [t[0] for t in load_prompt_file(a.prompts)[1]][: a.num_prompts]
+        texts = [t[0] for t in load_prompt_file(a.prompts)[1]][a.skip:][: a.num_prompts]
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
@@ -78,7 +79,7 @@ def main() -> None:
           ", ".join(f"{r} rows {c:.2f}" for r, c in costs.rows) + f"; draft {costs.draft:.2f}"),
           flush=True)
     rows, diffs = [], 0
-    for i, text in enumerate(texts):
+    for i, text in enumerate(texts, start=a.skip):
         ids = apply_template(pair.tokenizer, [{"role": "user", "content": text}])
         tps = {k: [] for k in names}
         spec_share, ref = [], None
