@@ -58,6 +58,9 @@ def main() -> None:
     ap.add_argument("--control", action="store_true",
                     help="also run AR again: the noise of a per-prompt ratio on this host")
     a = ap.parse_args()
+    if a.skip < 0 or (a.num_prompts is not None and a.num_prompts < 1):
+        print("error: --skip must be 0 or more and --num-prompts 1 or more", file=sys.stderr)
+        raise SystemExit(2)
     try:
         spec = registry.resolve(a.model, a.draft, False)
         opened = open_engine(spec, EngineSettings(tree=0))

@@ -152,7 +152,6 @@ def main():
                 tps[name].append(sum(len(o) for o in outs[name]) / secs)
             mismatched += sum(a != b for a, b in zip(outs["batched"], outs["serial"]))
         med = {k: statistics.median(v) for k, v in tps.items()}
-        # each repeat's runs are minutes apart at most: their ratio drifts less than the host
         paired = statistics.median(a / c for a, c in zip(tps["batched"], tps["mlx-lm"]))
         rows.append({"n": n, **{f"{k}_tps": round(v, 2) for k, v in med.items()},
                      "runs_tps": {k: [round(x, 2) for x in v] for k, v in tps.items()},
@@ -164,9 +163,8 @@ def main():
               f"serial {med['serial']:.1f}  "
               f"mlx-lm {med['mlx-lm']:.1f} tok/s  (batched/serial "
               f"{rows[-1]['batched_vs_serial']:.2f}x, batched/mlx-lm "
-              f"{rows[-1]['batched_vs_mlx_lm']:.2f}x, per repeat {paired:.2f}x; batched vs "
-              f"serial outputs differing: "
-              f"{mismatched})", flush=True)
+              f"{rows[-1]['batched_vs_mlx_lm']:.2f}x, per repeat {paired:.2f}x; "
+              f"batched vs serial outputs differing: {mismatched})", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"max_tokens": args.max_tokens,
                                          "repeats": args.repeats, "rows": rows}, indent=1))
