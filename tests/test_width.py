@@ -168,6 +168,36 @@ def test_a_shrinking_batch_borrows_the_larger_size_cost_ratio():
     assert small.speculate(keys) is True  # nothing timed at 8 rows yet: measure it
 
 
+def test_a_shrunk_batch_weighs_its_timed_mixed_rounds_in_seconds():
+    """Seven rows left of eight, nothing timed at seven but a round where one speculates
+    (0.14 s, 1.4 of the eight's plain rounds): that round is weighed against the eight's
+    seconds, not against the borrowed ratio's units (a plain round of "1.0" made a 0.14 s
+    round look seven times cheaper, so one sequence speculated round after round at a
+    loss)."""
+    c = WidthControl()
+    keys = list(range(8))
+    c.record(keys, True, 0.25, [3] + [1] * 7, 5)
+    c.record(keys, False, 0.1)
+    c.forget(7)
+    c.record(keys[:7], [True] + [False] * 6, 0.14, [3] + [1] * 6, 5)
+    # 9 tokens in 0.14 s against 7 in at most 0.1 s
+    assert c.choose(keys[:7]) == [False] * 7
+
+
+def test_an_untimed_round_of_some_rows_is_guessed_from_those_timed():
+    """A round where one of eight speculates, timed at 1.6 plain rounds against 2.65 for all
+    eight, shows what such a round costs whatever its k (0.27 of the way); a round where two
+    speculate, not timed yet, is guessed with that share on top of 2 / 8 of the way (1.75,
+    not 1.41), so two sequences at τ 3 are not tried there at a loss."""
+    c = WidthControl()
+    keys = list(range(8))
+    c.record(keys, True, 2.65, [3, 3] + [1] * 6, 5)
+    c.record(keys, False, 1.0)
+    c.record(keys, [True] + [False] * 7, 1.6, [3] + [1] * 7, 5)
+    assert c._mixed_s(8, 2, 2.65, 1.0) == pytest.approx(1.75, abs=0.01)
+    assert c.choose(keys) == [False] * 8
+
+
 def drive(control, keys, rounds, seconds, tau):
     """Drive `control` with rounds choosing per sequence; `seconds[k]`: a round where k
     sequences speculate; `tau(i, key)`: what a speculating sequence commits at round i."""

@@ -130,6 +130,9 @@ class WidthControl:
         self._plain: dict[int, _Fastest] = {}  # batch size -> seconds per plain round
         self._mixed: dict[tuple[int, int], _Fastest] = {}  # (size, speculating) -> seconds
         self._probe: dict[int, float] = {}  # batch size -> its last probe, in plain rounds
+        # what a round of some speculating rows costs whatever their number, as a share of
+        # the way from a plain round to a speculative one (see `_mixed_s`)
+        self._share = _Fastest()
         self._tau: dict[Hashable, _Mean] = {}  # sequence -> tokens per speculative round
         self._tau_all = _Mean(TAU_EMA)  # every sequence's, for those not measured yet
         self._wait, self._since = PROBE_FIRST, 0
@@ -137,8 +140,9 @@ class WidthControl:
         self._catching_up = False  # this round's draft first takes the plain rounds' context
         self.plain_rounds = self.mixed_rounds = self.probes = 0  # for reports and tests
         if prior is not None:  # the machine's costs, not the prompts' acceptance
-            self._width, self._spec, self._plain, self._mixed, self._probe = copy.deepcopy(
-                (prior._width, prior._spec, prior._plain, prior._mixed, prior._probe))
+            self._width, self._spec, self._plain, self._mixed, self._probe, self._share = (
+                copy.deepcopy((prior._width, prior._spec, prior._plain, prior._mixed,
+                               prior._probe, prior._share)))
 
     @property
     def measured(self) -> bool:
@@ -202,14 +206,18 @@ class WidthControl:
     def _mixed_s(self, n: int, k: int, spec: float, plain: float) -> float:
         """A round of n sequences, k of them speculating: from the pass costs (every row's
         draft pass counted, as in a speculative round), or as timed, or, not timed yet, a
-        share of the way from a plain round to a speculative one as k is of n (a guess on the
-        cheap side: such a round is tried once and then known)."""
+        share of the way from a plain round to a speculative one: k / n of it, on top of what
+        the rounds of some speculating rows timed so far cost whatever their k (the draft
+        pass over every row, attention over the padded rows, no reading ahead: on a CPU 0.2
+        to 0.5 of the way). The least of those, so a guess on the cheap side: such a round
+        is tried once and then known."""
         if self._costed(n):
             w = self._width.value
             return spec - self.costs.verify(n * w) + self.costs.verify(k * w + n - k)
         if (n, k) in self._mixed:
             return self._mixed[(n, k)].value
-        return plain + (spec - plain) * k / n
+        share = min(self._share.recent, default=0.0)
+        return plain + (spec - plain) * (share + (1 - share) * k / n)
 
     def _costed(self, n: int) -> bool:
         """Whether a speculative round of n sequences is within the measured pass costs: past
@@ -220,10 +228,12 @@ class WidthControl:
     def _timed(self, n: int) -> tuple[float | None, float | None]:
         """Seconds of a speculative and of a plain round of n sequences, as far as known.
 
-        Only their ratio decides. A kind not timed at n yet takes the ratio of the next larger
-        batch size that timed both: rows leave one by one as they finish, and each new size
-        would otherwise cost a round of each kind to measure. A larger batch's ratio is the
-        safe side: its speculative pass has more rows per plain pass's row to verify."""
+        A kind not timed at n yet takes the ratio of the next larger batch size that timed
+        both: rows leave one by one as they finish, and each new size would otherwise cost a
+        round of each kind to measure. A larger batch's ratio is the safe side: its
+        speculative pass has more rows per plain pass's row to verify. Neither timed at n,
+        both are the larger size's seconds (still seconds: a round of some speculating rows
+        timed at n is weighed against them)."""
         spec, plain = (t[n].value if n in t else None for t in (self._spec, self._plain))
         larger = [m for m in self._spec if m > n and m in self._plain]
         if (spec is not None and plain is not None) or not larger:
@@ -231,7 +241,8 @@ class WidthControl:
         m = min(larger)
         ratio = self._spec[m].value / self._plain[m].value
         if spec is None:
-            return (plain or 1.0) * ratio, plain or 1.0
+            plain = plain or self._plain[m].value
+            return plain * ratio, plain
         return spec, spec / ratio
 
     def _spec_round(self, n: int, which: list[bool] | None = None) -> list[bool]:
@@ -265,12 +276,21 @@ class WidthControl:
             table, size = ((self._spec, n) if k == n else (self._plain, n) if not k
                            else (self._mixed, (n, k)))
             table.setdefault(size, _Fastest()).feed(seconds)
+            if 0 < k < n:
+                self._feed_share(n, k, seconds)
         if k:
             self._width.feed(width)
             for key, c, spec in zip(keys, committed, which):
                 if spec:  # a plain row's one token says nothing of its draft
                     self._tau.setdefault(key, _Mean(TAU_EMA)).feed(c, weight)
                     self._tau_all.feed(c)
+
+    def _feed_share(self, n: int, k: int, seconds: float):
+        """The fixed share of a timed round of k speculating sequences of n (`_mixed_s`)."""
+        spec, plain = self._timed(n)
+        if spec is not None and plain is not None and spec > plain:
+            share = ((seconds - plain) / (spec - plain) - k / n) / (1 - k / n)
+            self._share.feed(min(max(share, 0.0), 1.0))
 
     def forget(self, key: Hashable):
         """A sequence left."""
