@@ -198,6 +198,20 @@ def test_an_untimed_round_of_some_rows_is_guessed_from_those_timed():
     assert c.choose(keys) == [False] * 8
 
 
+def test_one_sequence_stays_on_a_near_tie_and_a_batch_leaves():
+    """A draft that paid (τ 2 at 1.5 plain rounds) falls to τ 1.44, 4% behind plain decoding:
+    one sequence keeps speculating (within MARGIN: noise), a batch of two decodes plainly."""
+    def tau(i):
+        return 2 if i < 10 else 1.44
+
+    alone = WidthControl()
+    choices = run_rounds(alone, [0], 120, spec_s=1.5, plain_s=1.0, tau=tau)
+    assert choices[:2] == [True, False] and all(choices[2:])
+    both = WidthControl()
+    choices = run_rounds(both, [0, 1], 120, spec_s=1.5, plain_s=1.0, tau=tau)
+    assert all(choices[2:10]) and both.plain_rounds >= 60
+
+
 def drive(control, keys, rounds, seconds, tau):
     """Drive `control` with rounds choosing per sequence; `seconds[k]`: a round where k
     sequences speculate; `tau(i, key)`: what a speculating sequence commits at round i."""

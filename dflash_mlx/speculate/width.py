@@ -37,8 +37,10 @@ from dataclasses import dataclass
 TIME_WINDOW = 8
 TAU_EMA = 0.1
 PROBE_EMA = 0.3  # a probe is the only news of acceptance while plain decoding runs: it counts more
-# Leave speculation only when it is clearly behind (one slow round or a few misses are noise);
-# come back as soon as it is ahead.
+# One sequence leaves speculation only when it is clearly behind (one slow round or a few
+# misses are noise); it comes back as soon as it is ahead. A batch of several leaves on a tie:
+# its speculative round verifies every speculating row, on a CPU it rarely pays, and on held-out
+# batches the margin cost 2-6% at 2, 4 and 8 sequences (docs/measurements.md, 2026-12-06 night).
 MARGIN = 0.05
 PROBE_FIRST = 4  # plain rounds before the first probe of speculation
 PROBE_MAX = 32  # then twice as many after each probe that did not pay, up to this many
@@ -180,9 +182,9 @@ class WidthControl:
         for i in order:
             tokens.append(tokens[-1] + tau[i] - 1)
         seconds = [plain] + [self._mixed_s(n, k, spec, plain) for k in range(1, n)] + [spec]
-        # leave speculation only when clearly behind: plain decoding's rate, discounted
+        # one sequence leaves speculation only when clearly behind: plain's rate, discounted
         rates = [t / s for t, s in zip(tokens, seconds)]
-        rates[0] *= 1 - MARGIN if self._wide else 1
+        rates[0] *= 1 - MARGIN if self._wide and n == 1 else 1
         best = max(range(n + 1), key=lambda k: (rates[k], k))
         if best == n:
             self._wait, self._since = PROBE_FIRST, 0
