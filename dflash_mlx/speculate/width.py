@@ -218,7 +218,7 @@ class WidthControl:
             return spec - self.costs.verify(n * w) + self.costs.verify(k * w + n - k)
         if (n, k) in self._mixed:
             return self._mixed[(n, k)].value
-        share = min(self._share.recent, default=0.0)
+        share = self._share.value if self._share.recent else 0.0
         return plain + (spec - plain) * (share + (1 - share) * k / n)
 
     def _costed(self, n: int) -> bool:
