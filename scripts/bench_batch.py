@@ -14,13 +14,15 @@ and the server open the pair with (this machine's cost curve included). Greedy o
 and (b) must match per prompt; a difference is reported, not hidden.
 
 Prompts: the first N of `--prompts`, by default the unseen file (scripts/prompts/unseen-v1.jsonl),
-which no setting was chosen on; the width controller's rules are chosen on the held-out file.
+which no setting was chosen on; with `--groups G`, G groups of N (the first G x N, in file order),
+each repeat's tok/s being all G groups' tokens over their seconds (whether speculation pays at
+N = 2 depends on the two prompts: on held-out pairs a batch ran 0.81-1.48x mlx-lm's); the width controller's rules are chosen on the held-out file.
 A batch's controller starts from what the pair's last batch measured (as a running server's
 does), so before each N, (a) runs once on N prompts of `--warm-prompts` (the held-out file):
 its first rounds at that load do not time both kinds of rounds on the reported prompts, and every
 repeat starts from that run's measurements, not from an earlier repeat's.
 
-    python scripts/bench_batch.py --max-tokens 96 --repeats 3 [--json out.json]
+    python scripts/bench_batch.py --max-tokens 96 --repeats 3 [--groups 4] [--json out.json]
     python scripts/bench_batch.py --model gemma3-270m --draft lookup   # sliding windows
 """
 
@@ -91,6 +93,8 @@ def main():
     ap.add_argument("--concurrency", default="1,2,4,8", help="comma-separated N values")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--groups", type=int, default=1,
+                    help="groups of N prompts at each N (the first groups x N of the file)")
     ap.add_argument("--json", type=Path, help="write the table here too")
     ap.add_argument("--model", default=None,
                     help="a models.toml name or path (default: the demo pair)")
@@ -106,6 +110,9 @@ def main():
     except ValueError:
         print(f"error: --concurrency {args.concurrency!r}: give positive whole numbers, "
               "comma-separated (e.g. 1,2,4,8)", file=sys.stderr)
+        raise SystemExit(2)
+    if args.groups < 1 or args.repeats < 1:
+        print("error: --groups and --repeats take a positive whole number", file=sys.stderr)
         raise SystemExit(2)
 
     try:
@@ -137,7 +144,8 @@ def main():
     run_batched(pair, [chat_ids(pair, warm[0])] * 2, config, 4)  # warm-up: first-call costs
     rows = []
     for n in levels:
-        prompts = [chat_ids(pair, texts[i % len(texts)]) for i in range(n)]
+        groups = [[chat_ids(pair, texts[(g * n + i) % len(texts)]) for i in range(n)]
+                  for g in range(args.groups)]
         run_batched(pair, [chat_ids(pair, warm[i % len(warm)]) for i in range(n)], config,
                     args.max_tokens)  # the controller measures this load on other prompts
         warmed[n] = remembered(pair, config.block_size)
@@ -146,20 +154,25 @@ def main():
         for r in range(args.repeats):
             order = list(runners)
             order = order[r % len(order):] + order[: r % len(order)]  # rotate who runs first
-            outs = {}
-            for name in order:
-                secs, outs[name] = runners[name](prompts)
-                tps[name].append(sum(len(o) for o in outs[name]) / secs)
-            mismatched += sum(a != b for a, b in zip(outs["batched"], outs["serial"]))
+            outs = {k: [] for k in order}
+            for prompts in groups:  # each runner's tok/s: every group's tokens / seconds
+                for name in order:
+                    secs, out = runners[name](prompts)
+                    outs[name].append((secs, out))
+            for name, runs in outs.items():
+                tps[name].append(sum(len(o) for _, out in runs for o in out)
+                                 / sum(secs for secs, _ in runs))
+            mismatched += sum(a != b for (_, x), (_, y) in zip(outs["batched"], outs["serial"])
+                              for a, b in zip(x, y))
         med = {k: statistics.median(v) for k, v in tps.items()}
         paired = statistics.median(a / c for a, c in zip(tps["batched"], tps["mlx-lm"]))
-        rows.append({"n": n, **{f"{k}_tps": round(v, 2) for k, v in med.items()},
+        rows.append({"n": n, "groups": args.groups, **{f"{k}_tps": round(v, 2) for k, v in med.items()},
                      "runs_tps": {k: [round(x, 2) for x in v] for k, v in tps.items()},
                      "paired_batched_vs_mlx_lm": round(paired, 3),
                      "batched_vs_serial": round(med["batched"] / med["serial"], 3),
                      "batched_vs_mlx_lm": round(med["batched"] / med["mlx-lm"], 3),
                      "outputs_differing": mismatched})
-        print(f"N={n}: batched {med['batched']:.1f}  fixed {med['fixed']:.1f}  "
+        print(f"N={n}{f' x {args.groups} groups' if args.groups > 1 else ''}: batched {med['batched']:.1f}  fixed {med['fixed']:.1f}  "
               f"serial {med['serial']:.1f}  "
               f"mlx-lm {med['mlx-lm']:.1f} tok/s  (batched/serial "
               f"{rows[-1]['batched_vs_serial']:.2f}x, batched/mlx-lm "
