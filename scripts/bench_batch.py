@@ -14,9 +14,10 @@ and the server open the pair with (this machine's cost curve included). Greedy o
 and (b) must match per prompt; a difference is reported, not hidden.
 
 Prompts: the first N of `--prompts`, by default the unseen file (scripts/prompts/unseen-v1.jsonl),
-which no setting was chosen on; with `--groups G`, G groups of N (the first G x N, in file order),
-each repeat's tok/s being all G groups' tokens over their seconds (whether speculation pays at
-N = 2 depends on the two prompts: on held-out pairs a batch ran 0.81-1.48x mlx-lm's); the width controller's rules are chosen on the held-out file.
+which no setting was chosen on; with `--groups G`, G groups of N (the first G x N, in file
+order), each repeat's tok/s being all G groups' tokens over their seconds (whether speculation
+pays at N = 2 depends on the two prompts: on held-out pairs a batch ran 0.81-1.48x mlx-lm's).
+The width controller's rules are chosen on the held-out file.
 A batch's controller starts from what the pair's last batch measured (as a running server's
 does), so before each N, (a) runs once on N prompts of `--warm-prompts` (the held-out file):
 its first rounds at that load do not time both kinds of rounds on the reported prompts, and every
@@ -154,25 +155,26 @@ def main():
         for r in range(args.repeats):
             order = list(runners)
             order = order[r % len(order):] + order[: r % len(order)]  # rotate who runs first
-            outs = {k: [] for k in order}
+            secs, tokens, outs = dict.fromkeys(order, 0.0), dict.fromkeys(order, 0), {}
             for prompts in groups:  # each runner's tok/s: every group's tokens / seconds
                 for name in order:
-                    secs, out = runners[name](prompts)
-                    outs[name].append((secs, out))
-            for name, runs in outs.items():
-                tps[name].append(sum(len(o) for _, out in runs for o in out)
-                                 / sum(secs for secs, _ in runs))
-            mismatched += sum(a != b for (_, x), (_, y) in zip(outs["batched"], outs["serial"])
-                              for a, b in zip(x, y))
+                    s, outs[name] = runners[name](prompts)
+                    secs[name] += s
+                    tokens[name] += sum(len(o) for o in outs[name])
+                mismatched += sum(a != b for a, b in zip(outs["batched"], outs["serial"]))
+            for name in order:
+                tps[name].append(tokens[name] / secs[name])
         med = {k: statistics.median(v) for k, v in tps.items()}
         paired = statistics.median(a / c for a, c in zip(tps["batched"], tps["mlx-lm"]))
-        rows.append({"n": n, "groups": args.groups, **{f"{k}_tps": round(v, 2) for k, v in med.items()},
+        rows.append({"n": n, "groups": args.groups,
+                     **{f"{k}_tps": round(v, 2) for k, v in med.items()},
                      "runs_tps": {k: [round(x, 2) for x in v] for k, v in tps.items()},
                      "paired_batched_vs_mlx_lm": round(paired, 3),
                      "batched_vs_serial": round(med["batched"] / med["serial"], 3),
                      "batched_vs_mlx_lm": round(med["batched"] / med["mlx-lm"], 3),
                      "outputs_differing": mismatched})
-        print(f"N={n}{f' x {args.groups} groups' if args.groups > 1 else ''}: batched {med['batched']:.1f}  fixed {med['fixed']:.1f}  "
+        label = f"N={n}" + (f" x {args.groups} groups" if args.groups > 1 else "")
+        print(f"{label}: batched {med['batched']:.1f}  fixed {med['fixed']:.1f}  "
               f"serial {med['serial']:.1f}  "
               f"mlx-lm {med['mlx-lm']:.1f} tok/s  (batched/serial "
               f"{rows[-1]['batched_vs_serial']:.2f}x, batched/mlx-lm "
