@@ -40,6 +40,7 @@ import dflash_mlx  # noqa: F401, I001  (first: preloads the system OpenBLAS befo
 from mlx_lm.generate import BatchGenerator
 
 from dflash_mlx import registry, stream_generate
+from dflash_mlx.atomic import write_atomic
 from dflash_mlx.batch import batch_generate, serial_reason
 from dflash_mlx.bench.runner import load_prompt_file
 from dflash_mlx.chat import apply_template
@@ -181,8 +182,8 @@ def main():
               f"{rows[-1]['batched_vs_mlx_lm']:.2f}x, per repeat {paired:.2f}x; "
               f"batched vs serial outputs differing: {mismatched})", flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"max_tokens": args.max_tokens,
-                                         "repeats": args.repeats, "rows": rows}, indent=1))
+        write_atomic(args.json, json.dumps({"max_tokens": args.max_tokens,
+                                            "repeats": args.repeats, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
