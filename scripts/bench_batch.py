@@ -18,12 +18,19 @@ which no setting was chosen on; with `--groups G`, G groups of N (the first G x 
 order), each repeat's tok/s being all G groups' tokens over their seconds (whether speculation
 pays at N = 2 depends on the two prompts: on held-out pairs a batch ran 0.81-1.48x mlx-lm's).
 The width controller's rules are chosen on the held-out file.
+With `--loop K`, each N is a closed loop instead, as a server sees N clients: the first K
+prompts of the file queue up, N run at once and each one that ends lets the next join at the
+next round (mlx-lm's `BatchGenerator` takes it at its next step); (b) is then the K prompts one
+after another, the same at every N, so it runs once per repeat. A closed batch of N ends when
+its last sequence does, so tokens a fast sequence gains there only make it leave early; in a
+loop the next prompt takes its place.
 A batch's controller starts from what the pair's last batch measured (as a running server's
 does), so before each N, (a) runs once on N prompts of `--warm-prompts` (the held-out file):
 its first rounds at that load do not time both kinds of rounds on the reported prompts, and every
 repeat starts from that run's measurements, not from an earlier repeat's.
 
     python scripts/bench_batch.py --max-tokens 96 --repeats 3 [--groups 4] [--json out.json]
+    python scripts/bench_batch.py --max-tokens 64 --loop 24 --concurrency 2,4,8
     python scripts/bench_batch.py --model gemma3-270m --draft lookup   # sliding windows
 """
 
@@ -41,7 +48,7 @@ from mlx_lm.generate import BatchGenerator
 
 from dflash_mlx import registry, stream_generate
 from dflash_mlx.atomic import write_atomic
-from dflash_mlx.batch import batch_generate, serial_reason
+from dflash_mlx.batch import Batch, batch_generate, serial_reason
 from dflash_mlx.bench.runner import load_prompt_file
 from dflash_mlx.chat import apply_template
 from dflash_mlx.engine import EngineSettings, open as open_engine
@@ -73,21 +80,53 @@ def run_serial(pair, prompts, config, n) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - tic, outs
 
 
-def run_mlx_lm(pair, prompts, n) -> tuple[float, list[list[int]]]:
+def run_mlx_lm(pair, prompts, n, clients=None) -> tuple[float, list[list[int]]]:
+    """mlx-lm's batched plain decoding; `clients`: at most that many at once, each prompt
+    inserted when one ends (None: all at once)."""
+    clients = clients or len(prompts)
     eos = list(getattr(pair.tokenizer, "eos_token_ids", None) or [])
     gen = BatchGenerator(pair.target.model, stop_tokens=[[t] for t in eos],
-                         completion_batch_size=max(len(prompts), 1),
-                         prefill_batch_size=max(len(prompts), 1))
+                         completion_batch_size=max(clients, 1), prefill_batch_size=max(clients, 1))
+    queue, uids, outs = list(prompts), [], {}
+
+    def insert(k):
+        uids.extend(gen.insert(queue[:k], [n] * len(queue[:k])))
+        del queue[:k]
+
     tic = time.perf_counter()
     try:
-        uids = gen.insert(prompts, [n] * len(prompts))
-        outs = {u: [] for u in uids}
+        insert(clients)
         while responses := gen.next_generated():
             for r in responses:
-                outs[r.uid].append(r.token)
+                outs.setdefault(r.uid, []).append(r.token)
+                if r.finish_reason is not None and queue:
+                    insert(1)
     finally:
         gen.close()
-    return time.perf_counter() - tic, [outs[u] for u in uids]
+    return time.perf_counter() - tic, [outs.get(u, []) for u in uids]
+
+
+def run_loop(pair, prompts, config, n, clients) -> tuple[float, list[list[int]]]:
+    """`clients` prompts at once on one `Batch`, each one that ends letting the next join."""
+    batch, queue, outs, index = Batch(pair, config), list(range(len(prompts))), {}, {}
+
+    def add():
+        i = queue.pop(0)
+        index[batch.add(prompts[i], max_tokens=n)] = i
+        outs[i] = []
+
+    tic = time.perf_counter()
+    try:
+        for _ in range(min(clients, len(queue))):
+            add()
+        while batch.running:
+            for ev in batch.step():
+                outs[index[ev.index]] += ev.tokens
+                if ev.finish_reason is not None and queue:
+                    add()
+    finally:
+        batch.close()
+    return time.perf_counter() - tic, [outs[i] for i in range(len(prompts))]
 
 
 def main():
@@ -97,6 +136,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--groups", type=int, default=1,
                     help="groups of N prompts at each N (the first groups x N of the file)")
+    ap.add_argument("--loop", type=int, default=0, metavar="K",
+                    help="a closed loop over the first K prompts at each N instead of batches")
     ap.add_argument("--json", type=Path, help="write the table here too")
     ap.add_argument("--model", default=None,
                     help="a models.toml name or path (default: the demo pair)")
@@ -113,8 +154,9 @@ def main():
         print(f"error: --concurrency {args.concurrency!r}: give positive whole numbers, "
               "comma-separated (e.g. 1,2,4,8)", file=sys.stderr)
         raise SystemExit(2)
-    if args.groups < 1 or args.repeats < 1:
-        print("error: --groups and --repeats take a positive whole number", file=sys.stderr)
+    if args.groups < 1 or args.repeats < 1 or args.loop < 0:
+        print("error: --groups and --repeats take a positive whole number, --loop a whole "
+              "number", file=sys.stderr)
         raise SystemExit(2)
 
     try:
@@ -132,28 +174,44 @@ def main():
     fixed = config.replace(adaptive=False)
     warmed = {}  # N -> the controller its held-out warm run left
 
-    def batched(ps):  # every repeat starts from the held-out run, not from the last repeat
-        if warmed.get(len(ps)) is not None:
-            remember(pair, config.block_size, warmed[len(ps)])
-        return run_batched(pair, ps, config, args.max_tokens)
+    level = [0, 0]  # the N and the repeat being run
+    serial_runs = {}  # with --loop: repeat -> the serial run, the same at every N
+
+    def batched(ps, cfg):  # every repeat starts from the held-out run, not from the last repeat
+        if cfg is config and warmed.get(level[0]) is not None:
+            remember(pair, config.block_size, warmed[level[0]])
+        if args.loop:
+            return run_loop(pair, ps, cfg, args.max_tokens, level[0])
+        return run_batched(pair, ps, cfg, args.max_tokens)
+
+    def serial(ps):
+        if not args.loop:
+            return run_serial(pair, ps, config, args.max_tokens)
+        if level[1] not in serial_runs:
+            serial_runs[level[1]] = run_serial(pair, ps, config, args.max_tokens)
+        return serial_runs[level[1]]
 
     runners = {
-        "batched": batched,
-        "fixed": lambda ps: run_batched(pair, ps, fixed, args.max_tokens),
-        "serial": lambda ps: run_serial(pair, ps, config, args.max_tokens),
-        "mlx-lm": lambda ps: run_mlx_lm(pair, ps, args.max_tokens),
+        "batched": lambda ps: batched(ps, config),
+        "fixed": lambda ps: batched(ps, fixed),
+        "serial": serial,
+        "mlx-lm": lambda ps: run_mlx_lm(pair, ps, args.max_tokens,
+                                        level[0] if args.loop else None),
     }
     run_batched(pair, [chat_ids(pair, warm[0])] * 2, config, 4)  # warm-up: first-call costs
     rows = []
     for n in levels:
-        groups = [[chat_ids(pair, texts[(g * n + i) % len(texts)]) for i in range(n)]
-                  for g in range(args.groups)]
+        level[0] = n
+        groups = ([[chat_ids(pair, t) for t in texts[: args.loop]]] if args.loop else
+                  [[chat_ids(pair, texts[(g * n + i) % len(texts)]) for i in range(n)]
+                   for g in range(args.groups)])
         run_batched(pair, [chat_ids(pair, warm[i % len(warm)]) for i in range(n)], config,
                     args.max_tokens)  # the controller measures this load on other prompts
         warmed[n] = remembered(pair, config.block_size)
         tps = {k: [] for k in runners}
         mismatched = 0
         for r in range(args.repeats):
+            level[1] = r
             order = list(runners)
             order = order[r % len(order):] + order[: r % len(order)]  # rotate who runs first
             secs, tokens, outs = dict.fromkeys(order, 0.0), dict.fromkeys(order, 0), {}
@@ -167,14 +225,15 @@ def main():
                 tps[name].append(tokens[name] / secs[name])
         med = {k: statistics.median(v) for k, v in tps.items()}
         paired = statistics.median(a / c for a, c in zip(tps["batched"], tps["mlx-lm"]))
-        rows.append({"n": n, "groups": args.groups,
+        rows.append({"n": n, "groups": args.groups, "loop": args.loop,
                      **{f"{k}_tps": round(v, 2) for k, v in med.items()},
                      "runs_tps": {k: [round(x, 2) for x in v] for k, v in tps.items()},
                      "paired_batched_vs_mlx_lm": round(paired, 3),
                      "batched_vs_serial": round(med["batched"] / med["serial"], 3),
                      "batched_vs_mlx_lm": round(med["batched"] / med["mlx-lm"], 3),
                      "outputs_differing": mismatched})
-        label = f"N={n}" + (f" x {args.groups} groups" if args.groups > 1 else "")
+        label = f"N={n}" + (f" in a loop of {args.loop}" if args.loop else
+                            f" x {args.groups} groups" if args.groups > 1 else "")
         print(f"{label}: batched {med['batched']:.1f}  fixed {med['fixed']:.1f}  "
               f"serial {med['serial']:.1f}  "
               f"mlx-lm {med['mlx-lm']:.1f} tok/s  (batched/serial "
