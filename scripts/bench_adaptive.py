@@ -2,7 +2,7 @@
 
 For every prompt of a file, greedy, the demo pair (or --model/--draft) with this device's
 defaults: AR (block 1), DFlash at a fixed width (`--fixed-width`) and DFlash adaptive (the
-default). Each repeat runs the three settings on the prompt in rotated order; a setting's
+default). Each repeat runs the settings on the prompt in rotated order; a setting's
 tokens/s on a prompt is the median over repeats of its tokens over its decode seconds
 (prefill excluded), or with `--stat fastest` its tokens over its least decode seconds (noise
 on a shared host only ever adds time, so the least of several runs is the steadiest estimate
@@ -30,6 +30,7 @@ from pathlib import Path
 import dflash_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx)
 from dflash_mlx import registry, stream_generate
 from dflash_mlx.bench.runner import load_prompt_file
+from dflash_mlx.atomic import write_atomic
 from dflash_mlx.chat import apply_template
 from dflash_mlx.engine import EngineSettings, open as open_engine
 from dflash_mlx.errors import DFlashError
@@ -89,6 +90,7 @@ def main() -> None:
     print("pass costs: " + ("none (round seconds are timed)" if costs is None else
           ", ".join(f"{r} rows {c:.2f}" for r, c in costs.rows) + f"; draft {costs.draft:.2f}"),
           flush=True)
+    pick = max if a.stat == "fastest" else statistics.median  # the most tok/s: least seconds
     rows, diffs = [], 0
     for i, text in enumerate(texts, start=a.skip):
         ids = apply_template(pair.tokenizer, [{"role": "user", "content": text}])
@@ -104,7 +106,6 @@ def main() -> None:
                     spec_share.append(wide / rounds)
                 if ref is not None and toks != ref and name != "AR":
                     diffs += 1
-        pick = max if a.stat == "fastest" else statistics.median  # the most tok/s: least seconds
         med = {k: pick(v) for k, v in tps.items()}
         rows.append({"prompt": i, **{f"{k}_tps": round(v, 2) for k, v in med.items()},
                      **{f"{k}_vs_ar": med[k] / med["AR"] for k in compared},
@@ -123,10 +124,10 @@ def main() -> None:
               f"{summary[k]['below_floor']} of {len(ratios)} prompts below {FLOOR}x")
     print(f"outputs differing from AR: {diffs}")
     if a.json:
-        a.json.write_text(json.dumps({"prompts": str(a.prompts.name), "max_tokens": a.max_tokens,
-                                      "repeats": a.repeats, "stat": a.stat, "rows": rows,
-                                      "summary": summary, "outputs_differing": diffs},
-                                     indent=1))
+        write_atomic(a.json, json.dumps({
+            "prompts": str(a.prompts.name), "max_tokens": a.max_tokens, "repeats": a.repeats,
+            "stat": a.stat, "rows": rows, "summary": summary, "outputs_differing": diffs},
+            indent=1))
 
 
 if __name__ == "__main__":
