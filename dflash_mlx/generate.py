@@ -23,6 +23,7 @@ from .inputs import encode_prompt
 from .errors import InvalidArgumentError
 from .speculate import SamplingParams, SpeculationConfig, check_block_size, guards
 from .speculate.grammar import Grammar
+from .speculate.lookup import Cue
 from .speculate.rounds import Request, Round, path_round, tree_budget, tree_round
 from .speculate.sampling import check_max_tokens
 from .speculate.width import WidthControl
@@ -315,6 +316,8 @@ def stream_generate(
     block = config.block_size
     tree, note = tree_budget(pair, config, lookup_only, req.grammar is not None)
     control = adaptive_control(config, params)
+    # the lookup's cue for plain stretches (it proposes only where the lookup is on)
+    cue = Cue() if control is not None and config.lookup and not lookup_only else None
     tic = time.perf_counter()
     n_prompt, n_reused = prefill(pair, session, ids)
     prompt_s = time.perf_counter() - tic
@@ -323,6 +326,9 @@ def stream_generate(
     # mlx-lm's wired limit on Metal (keeps the weights resident); does nothing elsewhere
     with wired_limit(pair.target.model):
         while True:
+            # read every round: a cue after a single plain round needs the guess made before it
+            if cue is not None and cue(session.tokens) and control.plain:
+                control.cue()
             wide = block > 1 and (control is None or control.speculate(SOLO))
             width = min(block if wide else 1, budget.max_tokens - budget.produced)
             trees = width > 1 and tree

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 
 from dflash_mlx import load, stream_generate
-from dflash_mlx.bench.replay import keep_joint, record, replay
+from dflash_mlx.bench.replay import keep_joint, record, replay, replay_adaptive
 from dflash_mlx.bench.runner import check_parity
 from dflash_mlx.chat import apply_template
 from dflash_mlx.registry import default_pair
+from dflash_mlx.speculate import SpeculationConfig
+from dflash_mlx.speculate.width import PassCosts
 from dflash_mlx.stats import Stats
 from support.tiers import slow_after
 from support.tui import SIZE, app_for, last_answer, send
@@ -94,6 +96,25 @@ def test_cut_replay_equals_a_real_run(pair):
             cut_somewhere |= any(ev.trimmed for ev in events)
             looked_up |= any(any(ev.lookup_flags) for ev in events)
     assert cut_somewhere and looked_up
+
+
+def test_width_replay_equals_a_real_run(pair):
+    """scripts/replay_width.py compares one sequence's width rules on replayed runs: with pass
+    costs the controller reads no clock, so the replay must give a real adaptive run's rounds
+    exactly (slots verified, slots accepted; plain rounds (0, 0)). Costs dear enough that
+    plain stretches and the lookup's cue both happen, and the cue changes the rounds."""
+    ids = _ids(pair, "List the days of the week, then list them again in reverse order.")
+    costs = PassCosts(((1, 1.0), (2, 1.3), (5, 1.9)), draft=0.4, block=5)
+    config = SpeculationConfig.for_pair(pair).replace(block_size=5, adaptive=True,
+                                                      lookup=True, pass_costs=costs)
+    events = list(stream_generate(pair, ids, config, max_tokens=48))
+    real = [(len(ev.drafted), ev.accepted) for ev in events]
+    rec = record(pair, ids, 5, 48)
+    keep = lambda c: keep_joint(c, config.min_confidence)  # noqa: E731
+    cued = replay_adaptive(rec, costs, keep, 5, 48, cue=True, width=config.width)
+    blind = replay_adaptive(rec, costs, keep, 5, 48, cue=False, width=config.width)
+    assert [(k, a) for _, k, a in cued] == real
+    assert cued != blind and (0, 0) in real and any(a > 0 for _, a in real)
 
 
 @pytest.mark.asyncio

@@ -18,7 +18,8 @@ import pytest
 from dflash_mlx import stream_generate, tiny
 from dflash_mlx.generate import BlockEvent
 from dflash_mlx.models.dflash import DFlashDraftModel
-from dflash_mlx.speculate.lookup import LOOKUP_CONFIDENCE, MATCH_CAP, UNSURE, Hint, find, merge
+from dflash_mlx.speculate.lookup import (LOOKUP_CONFIDENCE, MATCH_CAP, UNSURE, Cue, Hint, find,
+                                         merge)
 from dflash_mlx.cli.render import stats_lines
 from dflash_mlx.stats import Stats
 from dflash_mlx.speculate.sampling import SamplingParams
@@ -59,6 +60,23 @@ def test_find_measures_how_much_the_match_shares():
     assert find([4, 7, 8, 5, 6, 9, 0, 7, 8], 2) == ([5, 6], 2)
     # capped: a long repeated run stops counting at MATCH_CAP
     assert find([3] * 200, 1) == ([3], MATCH_CAP)
+
+
+def test_a_cue_is_a_lookup_that_was_just_right_and_proposes_more():
+    """Round by round: the lookup's guess for the next token, checked against the token the
+    round then committed. A miss, no guess, or a round that committed several tokens (the
+    guess was for its first) is no cue."""
+    cue = Cue()
+    text = [5, 6, 7, 8, 1, 5, 6]
+    assert cue(text) is False  # no guess yet (the lookup guesses 7)
+    assert cue(text + [7]) is True  # it was right, and it guesses 8
+    assert cue(text + [7, 9]) is False  # it guessed 8
+    assert cue(text + [7, 9, 2]) is False  # no guess: nothing followed "9" before
+    assert cue(text + [7, 9, 2, 4]) is False
+    again = Cue()
+    again(text)
+    assert again(text + [7, 8]) is False  # two tokens: the guess was for the first
+    assert again(text + [7, 8, 1]) is True  # from there on one a round again
 
 
 def test_merge_switches_only_where_the_draft_is_unsure_or_the_text_is_copied():

@@ -309,6 +309,27 @@ def test_measured_costs_decide_without_timing_plain_rounds():
     assert low.speculate([0]) is False
 
 
+def test_a_cue_probes_one_plainly_decoding_sequence_at_once():
+    """A cue (its lookup was just right) turns one sequence's next plain round into a probe;
+    the blind probes' schedule is left as it was; a batch of several ignores it."""
+    c = WidthControl(CPU)
+    c.record([0], True, None, [1], 5)  # the draft misses: plain decoding wins
+    assert [c.speculate([0]) for _ in range(2)] == [False, False] and c.plain
+    c.cue()
+    assert c.speculate([0]) is True and (c.cued, c.probes) == (1, 0)
+    c.record([0], True, None, [1], 5)  # it did not pay
+    assert c.speculate([0]) is False  # one cue, one probe
+    # the blind probe comes after as many plain rounds as without the cue
+    twin = WidthControl(CPU)
+    twin.record([0], True, None, [1], 5)
+    alone = [twin.speculate([0]) for _ in range(20)].index(True)
+    assert 2 + 1 + [c.speculate([0]) for _ in range(20)].index(True) == alone > 3
+    batch = WidthControl(CPU)
+    batch.record([0, 1], True, None, [1, 1], 5)
+    batch.cue()
+    assert batch.speculate([0, 1]) is False and batch.cued == 0
+
+
 def test_rounds_wider_than_the_measured_passes_are_timed():
     """A curve measured up to 8 rows decides one sequence at width 5 from its costs; two
     sequences verify 10 rows, past it, where the linear extension overstates a CPU's cost

@@ -5,7 +5,8 @@ With the choice made by a coin per sequence, greedy output equals mlx-lm's plain
 every target family, alone and in a batch with joins and cancellations, and every batched
 row's cache equals a fresh prefill. Seeded sampling keeps fixed widths. A first round is not
 timed as a typical cost; a batch starts from its pair's last batch; a round speculates for the
-sequence whose draft hits and decodes the others plainly in it.
+sequence whose draft hits and decodes the others plainly in it; one sequence decoding plainly
+probes on the lookup's cue.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dflash_mlx import generate as generate_module
 from dflash_mlx.batch import Batch, batch_generate
 from dflash_mlx.speculate import SamplingParams, SpeculationConfig
 from dflash_mlx.speculate import width as width_module
-from dflash_mlx.speculate.width import WidthControl
+from dflash_mlx.speculate.width import PassCosts, WidthControl
 from support.engine import (GATED, Oracle, OracleDraft, float32_pair, make_draft4,
                             mlx_lm_greedy)
 from support.batch_run import check_caches
@@ -246,3 +247,25 @@ def test_a_batch_speculates_for_the_sequence_its_draft_hits(pairs, monkeypatch):
     assert outs == refs
     assert sum(r == {0: True, 1: False} for r in rounds) >= 3
     assert [k for _, k, _ in Recording.log].count("mixed") >= 3
+
+
+def test_a_cue_turns_one_sequences_plain_round_into_a_probe(pairs, monkeypatch):
+    """While one sequence decodes plainly the loop reads the lookup's cue before each round,
+    and a cue makes that round speculative: with a cue every time, no two plain rounds follow
+    each other; with none, they do. A draft that always misses; output is greedy either way."""
+    pair = pairs["qwen3"][0]
+    costs = PassCosts(((1, 1.0), (5, 1.2)), draft=0.2, block=5)  # a draft that misses: plain
+    config = SpeculationConfig(block_size=5, adaptive=True, pass_costs=costs, lookup=True)
+    prompt = list(range(3, 20))
+    ref = reference(pair.target.model, prompt, 24)
+    try:
+        for cued in (False, True):
+            pair.draft.oracle = Oracle(ref, len(prompt), 1.0, 0)
+            monkeypatch.setattr(generate_module, "Cue", lambda: (lambda tokens: cued))
+            events = list(stream_generate(pair, prompt, config, max_tokens=24))
+            assert [t for e in events for t in e.tokens] == ref
+            wide = [e.block_size > 1 for e in events[:-1]]
+            twice_plain = any(not a and not b for a, b in zip(wide, wide[1:]))
+            assert twice_plain is not cued and wide.count(False) > 3
+    finally:
+        pair.draft.oracle = None
