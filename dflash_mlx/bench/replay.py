@@ -75,7 +75,8 @@ def replay_adaptive(rec: dict, costs, keep, block: int, max_tokens: int, cue: bo
         context = seq[: pos + 1]
         if hint is not None and hint(context) and control.plain:
             control.cue()
-        wide = block > 1 and not watch.switched and control.speculate(SOLO)
+        live = block > 1 and not watch.switched  # the controller still chooses
+        wide = live and control.speculate(SOLO)
         k = accepted = 0
         drafts = wide and max_tokens - i > 1  # the round's block narrows to the tokens left
         if drafts:
@@ -83,7 +84,7 @@ def replay_adaptive(rec: dict, costs, keep, block: int, max_tokens: int, cue: bo
             tokens, conf, _ = merge(tokens, conf, context)
             k = keep(conf)
             accepted = _accepted(tokens[:k], seq, pos)
-        if block > 1 and not watch.switched:
+        if live:
             control.record(SOLO, wide, None, [accepted + 1], width(1 + k))
         watch.feed(k, accepted)
         rounds.append((drafts, k, accepted))
