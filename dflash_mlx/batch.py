@@ -2,22 +2,17 @@
 
 A `Batch` runs one round for all its running sequences per `step()`: one draft pass and one
 target verify pass over every row (`speculate/batch_round.py`), each sequence accepting its own
-number of tokens; the width controller picks which sequences speculate in it and which decode
-plainly (`speculate/width.py`). Sequences join between steps (`add`: their own prefill, then
-their caches are copied into the batch's) and leave when they finish or are cancelled, so a
-server can schedule requests at round boundaries. Each sequence's events are what
-`stream_generate` would yield for it (`BatchEvent` is a `BlockEvent` plus the sequence's index),
-and its output is exactly the target's: greedy output equals its own single-sequence run,
-sampling follows the target's distribution.
+number of tokens; the width controller picks which sequences speculate and which decode
+plainly (`speculate/width.py`). Sequences join between steps (`add`) and leave when they finish
+or are cancelled, so a server schedules requests at round boundaries. Each sequence's events
+are what `stream_generate` would yield for it, and its output is exactly the target's.
 
-Targets whose caches are plain KV, sliding-window (rotating) and GatedDeltaNet (recurrent)
-caches run batched (a window is the mask's in a batch: `speculate/batch_window.py`; a
-recurrent layer replays each row's accepted steps: `speculate/batch_state.py`). Any other
-cache runs its sequences one after another inside each step: same API, same events, no
-batching; `Batch.serial` says why. While
-every row decodes plainly, each round is launched before the previous one is read
-(`speculate/batch_plain.py`). Structured output (a grammar per sequence) masks each row's
-verify rows as a single sequence's round does. Draft trees are refused here for now.
+Plain KV, sliding-window (`speculate/batch_window.py`) and GatedDeltaNet
+(`speculate/batch_state.py`) targets run batched; any other cache runs its sequences one after
+another inside each step (`Batch.serial` says why). While every row decodes plainly, each round
+is launched before the previous one is read (`speculate/batch_plain.py`); a sequence alone also
+reads its lookup's cue (`_read_cue`), so a batch of one runs `stream_generate`'s rounds. A
+grammar masks its row's verify rows as in a single sequence's round. Draft trees are refused.
 """
 
 from __future__ import annotations
@@ -51,6 +46,7 @@ from .speculate.batch_plain import (Ahead, ReadClock, can_go_ahead, commit, laun
                                     next_tokens)
 from .speculate.batch_draft import make_draft_caches
 from .speculate.batch_round import Row, batch_round
+from .speculate.lookup import Cue
 from .speculate.rounds import Request, Round, path_round
 from .speculate.width import WidthControl, remember, remembered
 
@@ -83,6 +79,7 @@ class _Seq:
     note: str | None = None
     limit_note: str | None = None  # said when it stops at the model's context
     saved: tuple | None = None  # window/recurrent target: its prompt's end, to rewind to
+    cue: Cue | None = None  # its lookup's cue (`WidthControl.cue`), read before each choice
 
 
 class Batch:
@@ -132,11 +129,9 @@ class Batch:
 
         Fresh prompts (no session, or an empty one) of a batched target are prefilled at the
         next `step()`, together with the others added since (`batch_prefill.py`); the rest
-        now. `session`: caches to start from (only what the prompt adds to them is prefilled). The
-        sequence ends in it, as with `stream_generate`: a batched target decodes in copies in
-        the batch's caches and writes its row back into the session when it leaves; a serial
-        one decodes in the session itself.
-        """
+        now. `session`: caches to start from (only what the prompt adds is prefilled); the
+        sequence ends in it, as with `stream_generate` (a batched target's row is written back
+        when it leaves)."""
         pair, config = self.pair, self.config
         params = sampling or SamplingParams()
         home = session  # where the sequence's caches go when it leaves (a batched target)
@@ -146,7 +141,8 @@ class Batch:
                                                     lookup_only, logprobs)
         seq = _Seq(self._count, req, budget, key, pair.tokenizer.detokenizer,
                    config.block_size, watch, (0, 0, 0.0),
-                   fixed=not params.greedy and params.seed is not None, limit_note=limit_note)
+                   fixed=not params.greedy and params.seed is not None, limit_note=limit_note,
+                   cue=Cue() if self.control and config.lookup and not lookup_only else None)
         self._count += 1
         if self.serial is None and not session.tokens and session.pending is None:
             self._fresh.append((seq, session, ids))
@@ -273,7 +269,21 @@ class Batch:
             return wide
         if self.control is None:
             return [True] * len(keys)
+        self._read_cue(True)
         return self.control.choose(keys, any(s.fixed for s in self._seqs))
+
+    def _read_cue(self, tell: bool) -> bool:
+        """A sequence alone reads its lookup's cue every round and, `tell`, passes it on while
+        it decodes plainly. Returns whether the lookup guesses the next token: then no round
+        goes ahead, whose choice would miss the cue (one a round late is worth little).
+        Batches of several ignore it: it did not pay there (docs/measurements.md)."""
+        s = self._seqs[0] if len(self._seqs) == 1 else None
+        if s is None or s.cue is None:
+            return False
+        r = s.row or s.session
+        if s.cue(r.tokens) and (s.row.width if s.row else (s.widths or (1,))[0]) == 1 and tell:
+            self.control.cue()
+        return s.cue.guessing
 
     def _widths(self, wide: list[bool]) -> list[int]:
         return [min(s.block if w else 1, s.budget.max_tokens - s.budget.produced)
@@ -299,7 +309,8 @@ class Batch:
         on the device when the batch goes on plainly as it is (nobody joined or joins)."""
         ahead, self._ahead = self._ahead, None
         keys = [s.index for s in self._seqs]
-        if not self._fresh and len(ahead.rows) == len(self._seqs):
+        if (not self._fresh and len(ahead.rows) == len(self._seqs)
+                and not (self.control and self._read_cue(False))):
             wide = self._decide(keys)
             if all(w == 1 for w in self._widths(wide)):
                 self._ahead = self._launch(next_tokens(ahead))

@@ -112,6 +112,12 @@ class Cue:
         self._at, self._guess = len(tokens), (found[0] if found else None)
         return right and self._guess is not None
 
+    @property
+    def guessing(self) -> bool:
+        """Whether the lookup guessed the token after those of the last call (so the round
+        after that token may be cued)."""
+        return self._guess is not None
+
 
 def lookup_block(tokens: list[int], k: int) -> tuple[mx.array, "Hint"]:
     """Draft-free speculation: up to `k` tokens that followed the latest earlier occurrence of
