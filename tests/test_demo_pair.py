@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from dflash_mlx import load, stream_generate
-from dflash_mlx.batch import Batch
+from dflash_mlx.batch import Batch, batch_generate
 from dflash_mlx.bench.replay import keep_joint, record, replay, replay_adaptive
 from dflash_mlx.bench.runner import check_parity
 from dflash_mlx.chat import apply_template
 from dflash_mlx.registry import default_pair
 from dflash_mlx.speculate import SpeculationConfig
-from dflash_mlx.speculate.width import PassCosts, WidthControl
+from dflash_mlx.speculate.width import PassCosts, remembered
 from dflash_mlx.stats import Stats
 from support.tiers import slow_after
 from support.tui import SIZE, app_for, last_answer, send
@@ -117,9 +117,11 @@ def test_width_replay_equals_a_real_run(pair):
     assert [(k, a) for _, k, a in cued] == real
     assert cued != blind and (0, 0) in real and any(a > 0 for _, a in real)
     # a batch of one (a server's one client) runs the same rounds: it reads the cue in time,
-    # not a round late as a plain round launched ahead would
+    # not a round late as a plain round launched ahead would, and what an earlier batch
+    # measured (its round seconds) does not change them
+    list(batch_generate(pair, [_ids(pair, PROMPTS[1])], config, max_tokens=24))
+    assert remembered(pair, 5) is not None  # the batch below starts from it
     batch = Batch(pair, config)
-    batch.control = WidthControl(costs)  # no earlier batch's measurements, as one call starts
     batch.add(ids, max_tokens=48)
     alone = []
     while batch.running:

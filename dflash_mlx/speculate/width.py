@@ -146,10 +146,11 @@ class WidthControl:
         self._cued = False  # `cue` since the last choice
         self._catching_up = False  # this round's draft first takes the plain rounds' context
         self.plain_rounds = self.mixed_rounds = self.probes = self.cued = 0  # reports, tests
-        if prior is not None:  # the machine's costs, not the prompts' acceptance
-            self._width, self._spec, self._plain, self._mixed, self._probe, self._share = (
-                copy.deepcopy((prior._width, prior._spec, prior._plain, prior._mixed,
-                               prior._probe, prior._share)))
+        # the machine's costs, not the prompts' acceptance, nor the rows their cut verifies
+        # (so a server's one client, a batch of one, runs `stream_generate`'s rounds)
+        if prior is not None:
+            self._spec, self._plain, self._mixed, self._probe, self._share = copy.deepcopy(
+                (prior._spec, prior._plain, prior._mixed, prior._probe, prior._share))
 
     @property
     def plain(self) -> bool:
