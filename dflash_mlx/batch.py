@@ -280,8 +280,7 @@ class Batch:
         s = self._seqs[0] if len(self._seqs) == 1 else None
         if s is None or s.cue is None:
             return False
-        r = s.row or s.session
-        if s.cue(r.tokens) and (s.row.width if s.row else (s.widths or (1,))[0]) == 1 and tell:
+        if s.cue((s.row or s.session).tokens) and self.control.plain and tell:
             self.control.cue()
         return s.cue.guessing
 

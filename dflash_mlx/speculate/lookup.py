@@ -100,17 +100,20 @@ class Cue:
     """Whether the lookup has just been right: it predicted the last token before that token was
     decoded, and it proposes a continuation now. Free news, for a sequence decoding plainly, that
     a speculative round may pay (on the held-out answers such a round commits 2.9 tokens against
-    1.75 elsewhere: docs/measurements.md, 2026-12-07 night). Call it once per round with the
-    tokens so far; a round that committed more than one token resets it."""
+    1.75 elsewhere: docs/measurements.md, 2026-12-07 night). Call it each round with the
+    tokens so far (again with as many tokens: the same answer, nothing searched); a round that
+    committed more than one token resets it."""
 
     def __init__(self):
-        self._at, self._guess = -1, None
+        self._at, self._guess, self._cued = -1, None, False
 
     def __call__(self, tokens: list[int]) -> bool:
-        right = len(tokens) == self._at + 1 and tokens[-1] == self._guess
-        found, _ = find(tokens, 1)
-        self._at, self._guess = len(tokens), (found[0] if found else None)
-        return right and self._guess is not None
+        if len(tokens) != self._at:
+            right = len(tokens) == self._at + 1 and tokens[-1] == self._guess
+            found, _ = find(tokens, 1)
+            self._at, self._guess = len(tokens), (found[0] if found else None)
+            self._cued = right and self._guess is not None
+        return self._cued
 
     @property
     def guessing(self) -> bool:
