@@ -308,8 +308,8 @@ class Batch:
         on the device when the batch goes on plainly as it is (nobody joined or joins)."""
         ahead, self._ahead = self._ahead, None
         keys = [s.index for s in self._seqs]
-        if (not self._fresh and len(ahead.rows) == len(self._seqs)
-                and not (self.control and self._read_cue(False))):
+        # a cue exists only with a controller (`add`)
+        if not self._fresh and len(ahead.rows) == len(self._seqs) and not self._read_cue(False):
             wide = self._decide(keys)
             if all(w == 1 for w in self._widths(wide)):
                 self._ahead = self._launch(next_tokens(ahead))
