@@ -285,8 +285,9 @@ class Batch:
         return s.cue.guessing
 
     def _widths(self, wide: list[bool]) -> list[int]:
-        return [min(s.block if w else 1, s.budget.max_tokens - s.budget.produced)
-                for s, w in zip(self._seqs, wide)]
+        cap = self.control and self.control.rows  # one sequence's narrow probe (the floor)
+        return [min(s.block if w else 1, s.budget.max_tokens - s.budget.produced,
+                    cap or s.block) for s, w in zip(self._seqs, wide)]
 
     def _draw_keys(self, widths: list[int]):
         """This round's widths and random keys, per sequence."""

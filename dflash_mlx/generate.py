@@ -330,7 +330,8 @@ def stream_generate(
             if cue is not None and cue(session.tokens) and control.plain:
                 control.cue()
             wide = block > 1 and (control is None or control.speculate(SOLO))
-            width = min(block if wide else 1, budget.max_tokens - budget.produced)
+            width = min(block if wide else 1, budget.max_tokens - budget.produced,
+                        control and control.rows or block)  # a narrow probe (the floor)
             trees = width > 1 and tree
             key, dkey, vkey = _keys(key, params, width > 1 and not (trees or lookup_only))
             if trees:  # DDTree: one draft pass, one verify pass over a tree

@@ -30,6 +30,7 @@ class Scripted:
 
     def __init__(self, script: list[bool]):
         self.script, self.n = script, 0
+        self.rows = None  # never a narrow probe
 
     def choose(self, keys, fixed=False) -> list[bool]:
         self.n += 1

@@ -11,6 +11,7 @@ from dflash_mlx.bench.runner import check_parity
 from dflash_mlx.chat import apply_template
 from dflash_mlx.registry import default_pair
 from dflash_mlx.speculate import SpeculationConfig
+from dflash_mlx.speculate import width as width_module
 from dflash_mlx.speculate.width import PassCosts, remembered
 from dflash_mlx.stats import Stats
 from support.tiers import slow_after
@@ -99,35 +100,42 @@ def test_cut_replay_equals_a_real_run(pair):
     assert cut_somewhere and looked_up
 
 
-def test_width_replay_equals_a_real_run(pair):
+def test_width_replay_equals_a_real_run(pair, monkeypatch):
     """scripts/replay_width.py compares one sequence's width rules on replayed runs: with pass
     costs the controller reads no clock, so the replay must give a real adaptive run's rounds
-    exactly (slots verified, slots accepted; plain rounds (0, 0)). Costs dear enough that
-    plain stretches and the lookup's cue both happen, and the cue changes the rounds."""
+    exactly (slots verified, slots accepted; plain rounds (0, 0)), and so must a batch of one
+    (a server's one client). Costs dear enough that plain stretches happen, a floor with no
+    allowance holds rounds back, and a loose one lets the lookup's cue change the rounds."""
     ids = _ids(pair, "List the days of the week, then list them again in reverse order.")
     costs = PassCosts(((1, 1.0), (2, 1.3), (5, 1.9)), draft=0.4, block=5)
     config = SpeculationConfig.for_pair(pair).replace(block_size=5, adaptive=True,
                                                       lookup=True, pass_costs=costs)
-    events = list(stream_generate(pair, ids, config, max_tokens=48))
-    real = [(len(ev.drafted), ev.accepted) for ev in events]
     rec = record(pair, ids, 5, 48)
     keep = lambda c: keep_joint(c, config.min_confidence)  # noqa: E731
-    cued = replay_adaptive(rec, costs, keep, 5, 48, cue=True, width=config.width)
-    blind = replay_adaptive(rec, costs, keep, 5, 48, cue=False, width=config.width)
-    assert [(k, a) for _, k, a in cued] == real
-    assert cued != blind and (0, 0) in real and any(a > 0 for _, a in real)
-    # a batch of one (a server's one client) runs the same rounds: it reads the cue in time,
-    # not a round late as a plain round launched ahead would, and what an earlier batch
-    # measured (its round seconds) does not change them
+    # what an earlier batch measured (its round seconds) must not change a batch of one's
     list(batch_generate(pair, [_ids(pair, PROMPTS[1])], config, max_tokens=24))
-    assert remembered(pair, 5) is not None  # the batch below starts from it
-    batch = Batch(pair, config)
-    batch.add(ids, max_tokens=48)
-    alone = []
-    while batch.running:
-        alone += [(len(ev.drafted), ev.accepted) for ev in batch.step()]
-    batch.close()
-    assert alone == real and batch.control.cued > 0
+    assert remembered(pair, 5) is not None
+    runs = {}
+    for allowance in (width_module.FLOOR_ALLOWANCE, 0.0, 3.0):  # as set, binding, loose
+        monkeypatch.setattr(width_module, "FLOOR_ALLOWANCE", allowance)
+        events = list(stream_generate(pair, ids, config, max_tokens=48))
+        real = [(len(ev.drafted), ev.accepted) for ev in events]
+        cued = replay_adaptive(rec, costs, keep, 5, 48, cue=True, width=config.width)
+        blind = replay_adaptive(rec, costs, keep, 5, 48, cue=False, width=config.width)
+        assert [(k, a) for _, k, a in cued] == real
+        assert (0, 0) in real and any(a > 0 for _, a in real)
+        # a batch of one reads the cue in time, not a round late as a plain round
+        # launched ahead would, and narrows its probes as `stream_generate` does
+        batch = Batch(pair, config)
+        batch.add(ids, max_tokens=48)
+        alone = []
+        while batch.running:
+            alone += [(len(ev.drafted), ev.accepted) for ev in batch.step()]
+        batch.close()
+        assert alone == real
+        runs[allowance] = (real, cued != blind, batch.control.cued)
+    assert runs[0.0][0] != runs[3.0][0]  # the floor held some rounds back
+    assert runs[3.0][1] and runs[3.0][2] > 0
 
 
 @pytest.mark.asyncio

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_mlx.speculate.width import (PROBE_FIRST, PROBE_MAX, PROBE_SHARE, PassCosts,
-                                        WidthControl)
+from dflash_mlx.speculate import width
+from dflash_mlx.speculate.width import (FLOOR_ALLOWANCE, FLOOR_SHARE, NARROW, PROBE_FIRST,
+                                        PROBE_MAX, PROBE_SHARE, PassCosts, WidthControl)
 
 
 def run_rounds(control, keys, rounds, spec_s, plain_s, tau):
@@ -309,9 +310,11 @@ def test_measured_costs_decide_without_timing_plain_rounds():
     assert low.speculate([0]) is False
 
 
-def test_a_cue_probes_one_plainly_decoding_sequence_at_once():
+def test_a_cue_probes_one_plainly_decoding_sequence_at_once(monkeypatch):
     """A cue (its lookup was just right) turns one sequence's next plain round into a probe;
-    the blind probes' schedule is left as it was; a batch of several ignores it."""
+    the blind probes' schedule is left as it was; a batch of several ignores it. (The floor
+    aside: it would hold back a probe this draft's first miss has not paid for; below.)"""
+    monkeypatch.setattr(width, "FLOOR_ALLOWANCE", float("inf"))
     c = WidthControl(CPU)
     c.record([0], True, None, [1], 5)  # the draft misses: plain decoding wins
     assert [c.speculate([0]) for _ in range(2)] == [False, False] and c.plain
@@ -343,3 +346,62 @@ def test_rounds_wider_than_the_measured_passes_are_timed():
     assert choices[:2] == [True, False] and all(choices[2:])  # 3.4 / 1.5 > 2 / 1
     assert narrow.round(2, 5) / narrow.verify(2) > 1.7  # what the extension would have said
 
+
+
+def cued_misses(control, rounds):
+    """One sequence whose draft always misses (a speculative round commits 1 token) and whose
+    lookup cues every plain round, as `stream_generate` drives it, priced with CPU. Returns
+    per round (speculated, rows verified, tokens so far, plain rounds lost so far)."""
+    out, tokens, lost = [], 0, 0.0
+    for _ in range(rounds):
+        if control.plain:
+            control.cue()
+        wide = control.speculate([0])
+        rows = min(5, control.rows or 5) if wide else 1
+        control.record([0], wide, None, [1], rows)
+        tokens += 1
+        lost += CPU.round(1, rows) - 1 if wide else 0.0
+        out.append((wide, rows, tokens, lost))
+    return out
+
+
+def test_the_floor_bounds_what_one_sequence_loses(monkeypatch):
+    """A draft that always misses, and a cue before every plain round: each cued probe loses
+    0.39 plain rounds, so unchecked they take one sequence to 0.84x plain decoding. The floor
+    lets a speculative round after plain ones run only while the loss so far stays within
+    FLOOR_ALLOWANCE plain rounds and FLOOR_SHARE of the tokens, narrowing it to NARROW
+    drafted slots where that fits and a full one does not: the loss never passes that bound
+    by more than one round's, and the ratio ends above 0.97x."""
+    rounds = cued_misses(WidthControl(CPU), 300)
+    full, narrow = CPU.round(1, 5) - 1, CPU.round(1, 1 + NARROW) - 1
+    for _, _, tokens, lost in rounds:
+        assert lost <= FLOOR_ALLOWANCE + FLOOR_SHARE * tokens + full
+    tokens, lost = rounds[-1][2:]
+    assert tokens / (tokens + lost) > 0.97
+    assert any(rows == 1 + NARROW for _, rows, _, _ in rounds)  # narrow probes ran
+    assert sum(w for w, _, _, _ in rounds) >= 300 * FLOOR_SHARE / full  # it still probes
+    assert narrow < full
+    monkeypatch.setattr(width, "FLOOR_ALLOWANCE", float("inf"))  # no floor
+    tokens, lost = cued_misses(WidthControl(CPU), 300)[-1][2:]
+    assert tokens / (tokens + lost) < 0.9
+
+
+def test_the_floor_leaves_a_paying_draft_and_batches_alone(monkeypatch):
+    """A sequence whose draft has paid has saved more than its probes lose when it stops
+    paying, so it probes as it would with no floor; a batch of several is not held to one
+    sequence's floor: its probes are the same under a floor that would refuse every one."""
+
+    def choices(keys, allowance, tau):
+        monkeypatch.setattr(width, "FLOOR_ALLOWANCE", allowance)
+        c = WidthControl(CPU)
+        out = run_rounds(c, keys, 400, spec_s=None, plain_s=None, tau=tau)
+        return out, c.rows
+
+    paid = lambda i: 3 if i < 10 else 1  # noqa: E731
+    one, rows = choices([0], FLOOR_ALLOWANCE, paid)
+    assert one == choices([0], float("inf"), paid)[0] and rows is None
+    assert one != choices([0], -float("inf"), paid)[0]  # (where a floor would bind)
+    assert all(one[:10]) and 4 < sum(one[10:]) < 60
+    keys = list(range(4))
+    four = choices(keys, FLOOR_ALLOWANCE, lambda i: 1)
+    assert four == choices(keys, -float("inf"), lambda i: 1) and 2 < sum(four[0]) < 20

@@ -252,7 +252,9 @@ def test_a_batch_speculates_for_the_sequence_its_draft_hits(pairs, monkeypatch):
 def test_a_cue_turns_one_sequences_plain_round_into_a_probe(pairs, monkeypatch):
     """While one sequence decodes plainly the loop reads the lookup's cue before each round,
     and a cue makes that round speculative: with a cue every time, no two plain rounds follow
-    each other; with none, they do. A draft that always misses; output is greedy either way."""
+    each other; with none, they do. A draft that always misses; output is greedy either way.
+    (The floor aside: it would hold back probes this draft's misses have not paid for.)"""
+    monkeypatch.setattr(width_module, "FLOOR_ALLOWANCE", float("inf"))
     pair = pairs["qwen3"][0]
     costs = PassCosts(((1, 1.0), (5, 1.2)), draft=0.2, block=5)  # a draft that misses: plain
     config = SpeculationConfig(block_size=5, adaptive=True, pass_costs=costs, lookup=True)

@@ -80,7 +80,8 @@ def replay_adaptive(rec: dict, costs, keep, block: int, max_tokens: int, cue: bo
         k = accepted = 0
         drafts = wide and max_tokens - i > 1  # the round's block narrows to the tokens left
         if drafts:
-            tokens, conf = (r[: min(block, max_tokens - i) - 1] for r in rows[i])
+            cap = min(block, max_tokens - i, control.rows or block)
+            tokens, conf = (r[: cap - 1] for r in rows[i])
             tokens, conf, _ = merge(tokens, conf, context)
             k = keep(conf)
             accepted = _accepted(tokens[:k], seq, pos)

@@ -15,7 +15,10 @@ row only, `models/packed.py`, so a round of some speculating rows costs less tha
 such a round is timed per (batch size, k) like the others). While plain decoding wins it
 still probes speculation now and then, less often each time a probe shows it does not pay,
 so acceptance that returns is noticed; one sequence also probes at once on a cue (`cue`: its
-context lookup has just been right, news that costs no pass). A batch starts from the round
+context lookup has just been right, news that costs no pass). One sequence is held to a floor:
+it speculates again after plain rounds only while what its speculation saved so far, plus a
+small allowance, covers a miss (a narrow probe where only that fits), so an answer the draft
+rarely predicts loses a bounded few per cent to plain decoding, not a probe's cost each time. A batch starts from the round
 seconds the last batch of the same pair measured (`remembered`), so a new batch measures only
 its own acceptance (one speculative round), not the costs of both kinds of rounds again.
 
@@ -55,6 +58,15 @@ PROBE_MAX = 32  # then twice as many after each probe that did not pay, up to th
 # little acceptance came back to speculation sooner; divided by the sequences: chosen on
 # held-out batches (docs/measurements.md, 2026-12-05 and 2026-12-06)
 PROBE_SHARE = 0.06
+# One sequence's floor against plain decoding: after plain rounds it speculates again only while
+# what its speculative rounds have saved so far (net, in plain rounds), plus FLOOR_ALLOWANCE
+# plain rounds and FLOOR_SHARE of the tokens it committed, covers what the round loses if the
+# draft misses; short of that, a narrow probe (NARROW drafted slots: a miss loses less), else
+# plain decoding. Chosen on held-out records at 32-96 tokens (docs/measurements.md, 2026-12-08):
+# no answer below 0.97x plain decoding from 48 tokens on, for 2-3% of the mean.
+FLOOR_ALLOWANCE = 0.6
+FLOOR_SHARE = 0.02
+NARROW = 1
 
 
 class _Mean:
@@ -67,6 +79,14 @@ class _Mean:
         self.n += 1
         self.value += max(1 / self.n, weight or self.weight) * (x - self.value)
         return self.value
+
+
+@dataclass
+class _Ledger:
+    """One sequence against plain decoding, in plain rounds (the floor's account)."""
+
+    saved: float = 0.0  # by its speculative rounds alone, net (negative: lost)
+    tokens: int = 0  # committed in all its rounds
 
 
 @dataclass(frozen=True)
@@ -141,6 +161,8 @@ class WidthControl:
         self._share = _Fastest()
         self._tau: dict[Hashable, _Mean] = {}  # sequence -> tokens per speculative round
         self._tau_all = _Mean(TAU_EMA)  # every sequence's, for those not measured yet
+        self._ledger: dict[Hashable, _Ledger] = {}
+        self.rows: int | None = None  # the most rows this round may verify (None: the block)
         self._wait, self._since = PROBE_FIRST, 0
         self._wide = True  # what the last choice was
         self._cued = False  # `cue` since the last choice
@@ -177,13 +199,22 @@ class WidthControl:
 
     def choose(self, keys: Sequence[Hashable], fixed: bool = False) -> list[bool]:
         """Which of the sequences `keys` speculate this round; the others decode plainly in
-        it (width 1). `fixed`: all must (a seeded sampling request is in the batch).
+        it (width 1). `fixed`: all must (a seeded sampling request is in the batch)."""
+        which = self._choose(keys, fixed)
+        # a plain row commits one token: counted now, so a choice made while a plain round
+        # still runs (a batch reading ahead) sees the floor's ledger as `stream_generate` does
+        for key, spec in zip(keys, which):
+            if not spec:
+                self._ledger.setdefault(key, _Ledger()).tokens += 1
+        return which
 
-        Candidates are the rounds where the k sequences of highest τ speculate, k = 0..n; the
+    def _choose(self, keys: Sequence[Hashable], fixed: bool) -> list[bool]:
+        """Candidates are the rounds where the k sequences of highest τ speculate, k = 0..n; the
         one committing the most tokens per second wins (a round of some speculating rows
         costs what their rows and the others' single rows cost: `models/packed.py`)."""
         n = len(keys)
         cued, self._cued = self._cued and n == 1, False
+        self.rows = None
         if fixed or not self._tau_all.n:
             return self._spec_round(n)  # measure acceptance first
         if self._costed(n):
@@ -194,6 +225,10 @@ class WidthControl:
                 return self._spec_round(n)  # measure speculation first
             if plain is None:
                 return self._plain_round(n)  # then plain decoding, once
+        if n == 1 and not self._wide:
+            self.rows = self._floor_rows(keys[0], spec / plain - 1)
+            if self.rows == 1:
+                return self._plain_round(n)
         known = [self._tau[k].value for k in keys if k in self._tau]
         fill = sum(known) / len(known) if known else self._tau_all.value
         tau = [self._tau[k].value if k in self._tau else fill for k in keys]
@@ -227,6 +262,18 @@ class WidthControl:
         self.mixed_rounds += 1
         chosen = set(order[:best])
         return self._spec_round(n, [i in chosen for i in range(n)])
+
+    def _floor_rows(self, key: Hashable, loss: float) -> int | None:
+        """The most rows one sequence's next speculative round after plain rounds may verify
+        (None: its block; 1: none) so that a miss, losing `loss` plain rounds at full width,
+        stays within what its speculation saved so far plus the floor's allowance."""
+        ledger = self._ledger.get(key, _Ledger())
+        room = ledger.saved + FLOOR_ALLOWANCE + FLOOR_SHARE * ledger.tokens
+        if room >= loss:
+            return None
+        if self._costed(1) and room >= self.costs.round(1, 1 + NARROW) - 1:
+            return 1 + NARROW
+        return 1
 
     def _mixed_s(self, n: int, k: int, spec: float, plain: float) -> float:
         """A round of n sequences, k of them speculating: from the pass costs (every row's
@@ -291,6 +338,7 @@ class WidthControl:
         n = len(keys)
         which = [speculated] * n if isinstance(speculated, bool) else list(speculated)
         k = sum(which)
+        self._account(keys, which, seconds, list(committed) or [1] * n, width)
         weight = None
         if k and self._catching_up:
             plain = self._plain.get(n)
@@ -310,6 +358,25 @@ class WidthControl:
                     self._tau.setdefault(key, _Mean(TAU_EMA)).feed(c, weight)
                     self._tau_all.feed(c)
 
+    def _account(self, keys, which: list[bool], seconds: float | None, committed: list[int],
+                 width: int):
+        """The floor's ledgers: the tokens of speculating sequences (a plain row's: `choose`),
+        and what a speculative round of one sequence saved against plain rounds committing as
+        many (priced from the pass costs, else timed against the fastest plain round; a round
+        not priced adds nothing)."""
+        for key, c, spec in zip(keys, committed, which):
+            if spec:
+                self._ledger.setdefault(key, _Ledger()).tokens += c
+        if len(keys) != 1 or not which[0]:
+            return
+        if self._costed(1):
+            cost = self.costs.round(1, width)
+        elif seconds is not None and seconds > 0 and 1 in self._plain:
+            cost = seconds / self._plain[1].value
+        else:
+            return
+        self._ledger[keys[0]].saved += committed[0] - cost
+
     def _feed_share(self, n: int, k: int, seconds: float):
         """The fixed share of a timed round of k speculating sequences of n (`_mixed_s`)."""
         spec, plain = self._timed(n)
@@ -320,6 +387,7 @@ class WidthControl:
     def forget(self, key: Hashable):
         """A sequence left."""
         self._tau.pop(key, None)
+        self._ledger.pop(key, None)
 
 
 # target -> {(draft, block size): the controller of its last batch}: measured things only
