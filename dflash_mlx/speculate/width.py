@@ -15,12 +15,13 @@ row only, `models/packed.py`, so a round of some speculating rows costs less tha
 such a round is timed per (batch size, k) like the others). While plain decoding wins it
 still probes speculation now and then, less often each time a probe shows it does not pay,
 so acceptance that returns is noticed; one sequence also probes at once on a cue (`cue`: its
-context lookup has just been right, news that costs no pass). One sequence is held to a floor:
-it speculates again after plain rounds only while what its speculation saved so far, plus a
-small allowance, covers a miss (a narrow probe where only that fits), so an answer the draft
-rarely predicts loses a bounded few per cent to plain decoding, not a probe's cost each time. A batch starts from the round
-seconds the last batch of the same pair measured (`remembered`), so a new batch measures only
-its own acceptance (one speculative round), not the costs of both kinds of rounds again.
+context lookup has just been right, news that costs no pass). One sequence is held to a
+floor: it speculates again after plain rounds only while what its speculation saved so far,
+plus a small allowance, covers a miss (a narrow probe where only that fits), so an answer the
+draft rarely predicts loses a bounded few per cent to plain decoding, not a probe's cost each
+time. A batch starts from the round seconds the last batch of the same pair measured
+(`remembered`), so a new batch measures only its own acceptance (one speculative round), not
+the costs of both kinds of rounds again.
 
 Output never depends on the choice: greedy tokens are the target's argmax at any width and
 sampling is exact at any width. Only a seeded sampling request must keep its widths fixed
@@ -62,8 +63,8 @@ PROBE_SHARE = 0.06
 # what its speculative rounds have saved so far (net, in plain rounds), plus FLOOR_ALLOWANCE
 # plain rounds and FLOOR_SHARE of the tokens it committed, covers what the round loses if the
 # draft misses; short of that, a narrow probe (NARROW drafted slots: a miss loses less), else
-# plain decoding. Chosen on held-out records at 32-96 tokens (docs/measurements.md, 2026-12-08):
-# no answer below 0.97x plain decoding from 48 tokens on, for 2-3% of the mean.
+# plain decoding. Chosen on held-out records (docs/measurements.md, 2026-12-08): no answer of
+# 48-96 tokens below 0.97x plain decoding, for 2.5-3.5% of the mean.
 FLOOR_ALLOWANCE = 0.6
 FLOOR_SHARE = 0.02
 NARROW = 1
