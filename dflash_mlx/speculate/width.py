@@ -226,8 +226,8 @@ class WidthControl:
                 return self._spec_round(n)  # measure speculation first
             if plain is None:
                 return self._plain_round(n)  # then plain decoding, once
-        if n == 1 and not self._wide:
-            self.rows = self._floor_rows(keys[0], spec / plain - 1)
+        if n == 1 and not self._wide and self._costed(1):  # timed rounds: no floor (a ledger
+            self.rows = self._floor_rows(keys[0], spec / plain - 1)  # priced late misreads)
             if self.rows == 1:
                 return self._plain_round(n)
         known = [self._tau[k].value for k in keys if k in self._tau]
@@ -363,20 +363,15 @@ class WidthControl:
                  width: int):
         """The floor's ledgers: the tokens of speculating sequences (a plain row's: `choose`),
         and what a speculative round of one sequence saved against plain rounds committing as
-        many (priced from the pass costs, else timed against the fastest plain round; a round
-        not priced adds nothing)."""
+        many, priced from the pass costs (without them there is no floor: a round timed before
+        any plain one could not be priced, and a draft that paid looked as if it had not)."""
         for key, c, spec in zip(keys, committed, which):
             if spec:
                 self._ledger.setdefault(key, _Ledger()).tokens += c
         if len(keys) != 1 or not which[0]:
             return
         if self._costed(1):
-            cost = self.costs.round(1, width)
-        elif seconds is not None and seconds > 0 and 1 in self._plain:
-            cost = seconds / self._plain[1].value
-        else:
-            return
-        self._ledger[keys[0]].saved += committed[0] - cost
+            self._ledger[keys[0]].saved += committed[0] - self.costs.round(1, width)
 
     def _feed_share(self, n: int, k: int, seconds: float):
         """The fixed share of a timed round of k speculating sequences of n (`_mixed_s`)."""
