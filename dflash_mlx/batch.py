@@ -286,8 +286,8 @@ class Batch:
 
     def _widths(self, wide: list[bool]) -> list[int]:
         cap = self.control and self.control.rows  # one sequence's narrow probe (the floor)
-        return [min(s.block if w else 1, s.budget.max_tokens - s.budget.produced,
-                    cap or s.block) for s, w in zip(self._seqs, wide)]
+        return [min(s.block if w else 1, s.budget.max_tokens - s.budget.produced, cap or s.block)
+                for s, w in zip(self._seqs, wide)]
 
     def _draw_keys(self, widths: list[int]):
         """This round's widths and random keys, per sequence."""

@@ -226,8 +226,8 @@ class WidthControl:
                 return self._spec_round(n)  # measure speculation first
             if plain is None:
                 return self._plain_round(n)  # then plain decoding, once
-        if n == 1 and not self._wide and self._costed(1):  # timed rounds: no floor (a ledger
-            self.rows = self._floor_rows(keys[0], spec / plain - 1)  # priced late misreads)
+        if n == 1 and not self._wide and self._costed(n):  # the floor (priced rounds only)
+            self.rows = self._floor_rows(keys[0], spec / plain - 1)
             if self.rows == 1:
                 return self._plain_round(n)
         known = [self._tau[k].value for k in keys if k in self._tau]
@@ -272,9 +272,7 @@ class WidthControl:
         room = ledger.saved + FLOOR_ALLOWANCE + FLOOR_SHARE * ledger.tokens
         if room >= loss:
             return None
-        if self._costed(1) and room >= self.costs.round(1, 1 + NARROW) - 1:
-            return 1 + NARROW
-        return 1
+        return 1 + NARROW if room >= self.costs.round(1, 1 + NARROW) - 1 else 1
 
     def _mixed_s(self, n: int, k: int, spec: float, plain: float) -> float:
         """A round of n sequences, k of them speculating: from the pass costs (every row's
@@ -339,7 +337,7 @@ class WidthControl:
         n = len(keys)
         which = [speculated] * n if isinstance(speculated, bool) else list(speculated)
         k = sum(which)
-        self._account(keys, which, seconds, list(committed) or [1] * n, width)
+        self._account(keys, which, list(committed) or [1] * n, width)
         weight = None
         if k and self._catching_up:
             plain = self._plain.get(n)
@@ -359,8 +357,7 @@ class WidthControl:
                     self._tau.setdefault(key, _Mean(TAU_EMA)).feed(c, weight)
                     self._tau_all.feed(c)
 
-    def _account(self, keys, which: list[bool], seconds: float | None, committed: list[int],
-                 width: int):
+    def _account(self, keys, which: list[bool], committed: list[int], width: int):
         """The floor's ledgers: the tokens of speculating sequences (a plain row's: `choose`),
         and what a speculative round of one sequence saved against plain rounds committing as
         many, priced from the pass costs (without them there is no floor: a round timed before
@@ -368,9 +365,7 @@ class WidthControl:
         for key, c, spec in zip(keys, committed, which):
             if spec:
                 self._ledger.setdefault(key, _Ledger()).tokens += c
-        if len(keys) != 1 or not which[0]:
-            return
-        if self._costed(1):
+        if len(keys) == 1 and which[0] and self._costed(1):
             self._ledger[keys[0]].saved += committed[0] - self.costs.round(1, width)
 
     def _feed_share(self, n: int, k: int, seconds: float):
