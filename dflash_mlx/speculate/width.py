@@ -15,11 +15,11 @@ row only, `models/packed.py`, so a round of some speculating rows costs less tha
 such a round is timed per (batch size, k) like the others). While plain decoding wins it
 still probes speculation now and then, less often each time a probe shows it does not pay,
 so acceptance that returns is noticed; one sequence also probes at once on a cue (`cue`: its
-context lookup has just been right, news that costs no pass). One sequence is held to a
-floor: it speculates again after plain rounds only while what its speculation saved so far,
-plus a small allowance, covers a miss (a narrow probe where only that fits), so an answer the
-draft rarely predicts loses a bounded few per cent to plain decoding, not a probe's cost each
-time. A batch starts from the round seconds the last batch of the same pair measured
+context lookup has just been right, news that costs no pass). With pass costs one sequence is
+held to a floor: it speculates again after plain rounds only while what its speculation saved
+so far, plus a small allowance, covers a miss (a narrow probe where only that fits), so an
+answer the draft rarely predicts loses a bounded few per cent to plain decoding, not a probe's
+cost each time. A batch starts from the round seconds the last batch of the same pair measured
 (`remembered`), so a new batch measures only its own acceptance (one speculative round), not
 the costs of both kinds of rounds again.
 
